@@ -1,0 +1,42 @@
+"""Memory sizes as people write them: "8GB", "7.5GiB", "8000MiB", "512M", "1073741824".
+
+GB, MB and KB mean GiB, MiB and KiB (powers of 1024), as memory is sold and as nvidia-smi and
+torch report it: an "8GB" card holds 8 GiB.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`; ValueError with a readable message when it is not a positive size."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"'{text}' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"'{text}' is not a positive memory size")
+    return size
+
+
+def format_size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= factor:
+            return f"{size / factor:.2f} {unit}"
+    return f"{size} B"
+
+
+def short_size(size: int) -> str:
+    """A file-name-friendly size: 8GB, 7.5GB, 512MB."""
+    for unit, factor in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if size >= factor:
+            value = size / factor
+            return f"{value:g}{unit}" if value == round(value, 1) else f"{value:.1f}{unit}"
+    return f"{size}B"

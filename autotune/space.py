@@ -1,0 +1,211 @@
+"""Search spaces: which choices of which knobs a study explores.
+
+A space file (search_spaces/*.yaml) names knobs of the catalogue and the choices to try:
+
+    extends: default.yaml                 # optional, relative to this file
+    knobs:
+      dtype: [float32, bfloat16]
+      compile: default                    # a single value: that choice beside the baseline's
+      quantize: {choices: [none, int8wo], when: {dtype: bfloat16}}   # searched only when active
+    forbid:
+      - {quantize: int8dq, compile: none} # a partial config never to measure
+
+Knobs a space leaves out stay at the baseline's value. Every dimension keeps the baseline's value
+among its choices, so the default pipeline is a point of every space.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SpaceError
+from .knobs import CATALOGUE, Config, Target, baseline, conflict, matches
+
+SHIPPED_DIR = Path(str(resources.files("autotune") / "search_spaces"))
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    choices: tuple
+    when: dict | None = None  # partial config under which this knob is searched; else baseline
+
+
+@dataclass(frozen=True)
+class Dropped:
+    knob: str
+    value: Any
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.knob}={self.value}: {self.reason}"
+
+
+@dataclass
+class SearchSpace:
+    dimensions: list[Dimension]
+    forbid: list[dict] = field(default_factory=list)
+    source: str = "<memory>"
+    dropped: list[Dropped] = field(default_factory=list)
+
+    # ---- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path) -> "SearchSpace":
+        knobs, forbid = _read_layers(Path(path), seen=())
+        return cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path))
+
+    @classmethod
+    def for_family(cls, family: str) -> "SearchSpace":
+        path = SHIPPED_DIR / f"{family}.yaml"
+        return cls.from_file(path if path.exists() else SHIPPED_DIR / "default.yaml")
+
+    # ---- this machine --------------------------------------------------------------------------
+    def restrict(self, target: Target) -> "SearchSpace":
+        """The space without the choices that cannot run on `target`, each drop with its reason."""
+        dims, dropped = [], list(self.dropped)
+        for dim in self.dimensions:
+            knob = CATALOGUE[dim.name]
+            kept = []
+            for value in dim.choices:
+                reason = knob.unavailable(value, target)
+                if reason:
+                    dropped.append(Dropped(dim.name, value, reason))
+                else:
+                    kept.append(value)
+            if len(kept) > 1:
+                dims.append(Dimension(dim.name, tuple(kept), dim.when))
+        return SearchSpace(dims, self.forbid, self.source, dropped)
+
+    # ---- configs -------------------------------------------------------------------------------
+    def normalize(self, partial: Config) -> Config:
+        """A full config: knobs outside the space, or inactive under their `when`, at baseline."""
+        config = baseline()
+        for dim in self.dimensions:
+            if dim.when is None or matches(dim.when, config):
+                config[dim.name] = partial.get(dim.name, config[dim.name])
+        return config
+
+    def forbidden(self, config: Config) -> str | None:
+        """Why a config must not be measured (a rule of this space or a known conflict), or None."""
+        for rule in self.forbid:
+            if matches(rule, config):
+                return f"forbidden by {self.source}: {rule}"
+        return conflict(config)
+
+    def suggest(self, trial) -> Config:
+        """Draw a config through an Optuna trial (conditional knobs only when active)."""
+        config = baseline()
+        for dim in self.dimensions:
+            if dim.when is None or matches(dim.when, config):
+                config[dim.name] = trial.suggest_categorical(dim.name, list(dim.choices))
+        return config
+
+    def params(self, config: Config) -> dict:
+        """The Optuna params that describe a config in this space (for enqueue_trial)."""
+        return {
+            d.name: config[d.name] for d in self.dimensions if d.when is None or matches(d.when, config)
+        }
+
+    def configs(self) -> list[Config]:
+        """Every distinct config this space allows, baseline first."""
+        seen, out = set(), []
+        grid = itertools.product(*(d.choices for d in self.dimensions))
+        for values in itertools.chain([()], grid):
+            config = self.normalize(dict(zip((d.name for d in self.dimensions), values)))
+            key = config_key(config)
+            if key not in seen and not self.forbidden(config):
+                seen.add(key)
+                out.append(config)
+        return out
+
+
+def config_key(config: Config) -> str:
+    """A stable text key for a full config (to find configs measured already)."""
+    return json.dumps(config, sort_keys=True)
+
+
+# ---- file parsing ---------------------------------------------------------------------------------
+def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
+    if path in seen:
+        raise SpaceError(f"search space {path}: 'extends' loops back to itself")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpaceError(f"search space {path}: cannot read it ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise SpaceError(f"search space {path}: not valid YAML{at}") from None
+    if not isinstance(data, dict):
+        raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
+    unknown = set(data) - {"extends", "knobs", "forbid"}
+    if unknown:
+        raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(unknown))}")
+    knobs, forbid = {}, []
+    if data.get("extends"):
+        knobs, forbid = _read_layers(path.parent / str(data["extends"]), seen + (path,))
+    own = data.get("knobs") or {}
+    if not isinstance(own, dict):
+        raise SpaceError(f"search space {path}: 'knobs' must be a mapping of knob: choices")
+    knobs.update(own)
+    more = data.get("forbid") or []
+    if not isinstance(more, list):
+        raise SpaceError(f"search space {path}: 'forbid' must be a list of partial configs")
+    return knobs, forbid + more
+
+
+def _check_value(name: str, value, path) -> None:
+    if name not in CATALOGUE:
+        known = ", ".join(CATALOGUE)
+        raise SpaceError(f"search space {path}: unknown knob '{name}' (known: {known})")
+    try:
+        CATALOGUE[name].check(value)
+    except ValueError as exc:
+        raise SpaceError(f"search space {path}: {exc}") from None
+
+
+def _dimensions(knobs: dict, path) -> list[Dimension]:
+    dims = []
+    for name in CATALOGUE:  # catalogue order, so `when` can only look at knobs decided earlier
+        if name not in knobs:
+            continue
+        spec, when = knobs[name], None
+        if isinstance(spec, dict):
+            if "choices" not in spec or set(spec) - {"choices", "when"}:
+                raise SpaceError(f"search space {path}: knob '{name}' takes 'choices' and 'when'")
+            spec, when = spec["choices"], spec.get("when")
+            if not isinstance(when, dict) or not when:
+                raise SpaceError(f"search space {path}: knob '{name}': 'when' must be a mapping")
+            for other, value in when.items():
+                for v in value if isinstance(value, list) else [value]:
+                    _check_value(other, v, path)
+        choices = spec if isinstance(spec, list) else [spec]
+        for value in choices:
+            _check_value(name, value, path)
+        default = CATALOGUE[name].default
+        if default not in choices:  # the baseline must stay a point of the space
+            choices = [default, *choices]
+        dims.append(Dimension(name, tuple(dict.fromkeys(choices)), when))
+    for name in knobs:
+        if name not in CATALOGUE:
+            _check_value(name, None, path)
+    return dims
+
+
+def _forbid_rules(rules: list, path) -> list[dict]:
+    for rule in rules:
+        if not isinstance(rule, dict) or not rule:
+            raise SpaceError(f"search space {path}: each 'forbid' entry must be a mapping of knob: value")
+        for name, value in rule.items():
+            for v in value if isinstance(value, list) else [value]:
+                _check_value(name, v, path)
+    return rules

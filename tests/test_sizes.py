@@ -1,0 +1,32 @@
+import pytest
+
+from autotune.sizes import format_size, parse_size, short_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8GB", 8 * 2**30),
+        ("8gb", 8 * 2**30),
+        ("7.5GiB", int(7.5 * 2**30)),
+        ("8000MiB", 8000 * 2**20),
+        ("512M", 512 * 2**20),
+        ("1073741824", 2**30),
+        ("64KB", 64 * 2**10),
+    ],
+)
+def test_parses_sizes_as_people_write_them(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8XB", "-1GB", "0GB", "GB", "", "8iB", "1e9", "eight"])
+def test_rejects_what_is_not_a_positive_size(text):
+    with pytest.raises(ValueError) as exc:
+        parse_size(text)
+    assert "\n" not in str(exc.value) and text.strip() in str(exc.value)
+
+
+def test_formats_round_trip_for_file_names():
+    assert short_size(8 * 2**30) == "8GB"
+    assert short_size(512 * 2**20) == "512MB"
+    assert format_size(3 * 2**29) == "1.50 GiB"

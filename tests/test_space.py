@@ -1,0 +1,110 @@
+import optuna
+import pytest
+
+from autotune.errors import SpaceError
+from autotune.knobs import CATALOGUE, Target, baseline
+from autotune.space import SHIPPED_DIR, SearchSpace, config_key
+
+CPU_SDXL = Target(device="cpu", family="sdxl")
+
+
+def write(tmp_path, text, name="space.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("family", ["default", "sdxl", "sd15", "sd3", "flux"])
+def test_shipped_spaces_load_and_hold_the_baseline(family):
+    space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml")
+    assert space.dimensions, family
+    configs = space.configs()
+    assert configs[0] == baseline()
+    assert len({config_key(c) for c in configs}) == len(configs)
+
+
+def test_transformer_families_do_not_search_attention_slicing():
+    for family in ("sd3", "flux"):
+        names = [d.name for d in SearchSpace.for_family(family).dimensions]
+        assert "attention" not in names
+
+
+def test_restrict_drops_what_cannot_run_here_with_a_reason():
+    space = SearchSpace.for_family("sdxl").restrict(CPU_SDXL)
+    dropped = {(d.knob, d.value): d.reason for d in space.dropped}
+    assert "accelerator" in dropped[("offload", "model")]
+    assert ("offload", "sequential") in dropped
+    assert "offload" not in [d.name for d in space.dimensions]  # only "none" left: not searched
+
+
+def test_restrict_drops_slicing_for_a_transformer_model(tmp_path):
+    path = write(tmp_path, "knobs:\n  attention: [sdpa, sliced]\n  dtype: [float32, bfloat16]\n")
+    space = SearchSpace.from_file(path).restrict(Target(device="cpu", family="flux"))
+    assert [(d.knob, d.value) for d in space.dropped] == [("attention", "sliced")]
+    assert "no-op" in space.dropped[0].reason
+
+
+def test_extends_merges_knobs_and_forbid(tmp_path):
+    write(tmp_path, "knobs:\n  dtype: [float32, bfloat16]\nforbid:\n  - {dtype: bfloat16, compile: default}\n", "base.yaml")
+    path = write(tmp_path, "extends: base.yaml\nknobs:\n  compile: [none, default]\n")
+    space = SearchSpace.from_file(path)
+    assert [d.name for d in space.dimensions] == ["dtype", "compile"]
+    assert space.forbidden({**baseline(), "dtype": "bfloat16", "compile": "default"})
+    assert not space.forbidden({**baseline(), "dtype": "bfloat16"})
+    assert len(space.configs()) == 3
+
+
+def test_a_single_value_keeps_the_baseline_beside_it(tmp_path):
+    space = SearchSpace.from_file(write(tmp_path, "knobs:\n  dtype: bfloat16\n"))
+    assert space.dimensions[0].choices == ("float32", "bfloat16")
+
+
+def test_conditional_knob_is_searched_only_when_active(tmp_path):
+    path = write(
+        tmp_path,
+        "knobs:\n  dtype: [float32, bfloat16]\n  quantize: {choices: [none, int8wo], when: {dtype: bfloat16}}\n",
+    )
+    space = SearchSpace.from_file(path)
+    assert space.normalize({"dtype": "float32", "quantize": "int8wo"})["quantize"] == "none"
+    assert space.normalize({"dtype": "bfloat16", "quantize": "int8wo"})["quantize"] == "int8wo"
+    assert len(space.configs()) == 3  # fp32, bf16, bf16+int8wo
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert ("quantize" in trial.params) == (config["dtype"] == "bfloat16")
+        study.tell(trial, 1.0)
+
+
+def test_known_conflicts_are_forbidden():
+    space = SearchSpace.for_family("sdxl")
+    config = {**baseline(), "fuse_qkv": True, "attention": "sliced"}
+    assert "undoing fuse_qkv" in space.forbidden(config)
+    assert all(not (c["fuse_qkv"] and c["attention"] != "sdpa") for c in space.configs())
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("knobs:\n  warp_drive: [on]\n", "unknown knob 'warp_drive'"),
+        ("knobs:\n  dtype: [float64]\n", "no choice 'float64'"),
+        ("knobs: [dtype\n", "not valid YAML"),
+        ("- just a list\n", "expected a mapping"),
+        ("knobs:\n  dtype: [float32]\nforbid: {dtype: float32}\n", "'forbid' must be a list"),
+        ("knobs:\n  dtype: [float32]\nforbid:\n  - {nope: 1}\n", "unknown knob 'nope'"),
+        ("knobz:\n  dtype: [float32]\n", "unknown section"),
+        ("extends: space.yaml\n", "loops back"),
+        ("extends: missing.yaml\n", "cannot read"),
+        ("knobs:\n  quantize: {choices: [none], when: {dtype: float64}}\n", "no choice 'float64'"),
+    ],
+)
+def test_bad_space_files_give_one_clear_line(tmp_path, text, message):
+    with pytest.raises(SpaceError) as exc:
+        SearchSpace.from_file(write(tmp_path, text))
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_every_knob_has_its_default_among_its_choices():
+    for knob in CATALOGUE.values():
+        assert knob.default in knob.choices
