@@ -1,0 +1,24 @@
+"""autotune: measure diffusers configurations under a memory budget; load the fastest in production.
+
+    import autotune
+    profile = autotune.load_profile("sdxl-8GB.yaml")
+    pipe = profile.load_pipeline()
+"""
+
+from .errors import AutotuneError, ModelError, ProfileError, SpaceError
+
+__version__ = "0.1.0"
+
+_PROFILE_NAMES = ("Profile", "ProfileMismatchWarning", "load_profile")
+
+
+def __getattr__(name):
+    # torch and diffusers load only when a profile is used, so `import autotune` stays cheap.
+    if name in _PROFILE_NAMES:
+        from . import profile
+
+        return getattr(profile, name)
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+
+
+__all__ = ["AutotuneError", "ModelError", "ProfileError", "SpaceError", *_PROFILE_NAMES]

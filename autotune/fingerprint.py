@@ -1,0 +1,110 @@
+"""The machine and software a profile was measured on.
+
+GPU facts come from NVML, not torch: the tuning parent must not create a CUDA context of its own
+(it would hold device memory while trials are measured against the budget).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+
+import psutil
+
+PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "torchao", "xformers", "optuna", "autotune")
+
+
+def software() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _nvml_index(device: str) -> int:
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA GPU is usable, asked of NVML and torch's build without a CUDA context."""
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:  # no driver, no library: no GPU here
+        return False
+
+
+def machine(device: str) -> dict:
+    if device.startswith("cuda"):
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return {
+            "device": device,
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+            "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+            "capability": f"{major}.{minor}",
+            "cpu_count": os.cpu_count(),
+        }
+    return {
+        "device": "cpu",
+        "name": _cpu_name(),
+        "memory_bytes": int(psutil.virtual_memory().total),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def device_memory_bytes(device: str) -> int:
+    """What the device can hold in all: the default budget when none is given."""
+    return machine(device)["memory_bytes"]
+
+
+def capability(device: str) -> tuple[int, int] | None:
+    if not device.startswith("cuda"):
+        return None
+    major, minor = machine(device)["capability"].split(".")
+    return int(major), int(minor)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def differences(recorded: dict, current: dict, keys) -> list[str]:
+    """Human lines for each key whose value differs between two fingerprints."""
+    return [
+        f"{key}: profiled on {recorded.get(key)!r}, here {current.get(key)!r}"
+        for key in keys
+        if recorded.get(key) != current.get(key)
+    ]

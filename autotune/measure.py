@@ -1,0 +1,133 @@
+"""Measuring one pipeline: latency of full calls and peak memory as the budget sees it.
+
+Memory, three figures side by side:
+- on a GPU, the budgeted figure is what the driver reports for this process (NVML, polled in a
+  thread for the whole trial, CUDA context included); torch's allocator peaks stand beside it;
+- on a CPU, the budgeted figure is the process's peak resident memory (the kernel's ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+
+def host_peak_rss_bytes() -> int:
+    # The kernel keeps the true peak for us (Linux reports kilobytes): nothing to poll.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class NvmlPeak:
+    """Polls NVML for the device memory used by this process, keeping the peak.
+
+    Per-process figures come from nvmlDeviceGetComputeRunningProcesses. Inside a container the
+    driver may list processes under another PID namespace; then this falls back to the device's
+    used memory minus what was used when tracking started ("nvml-device").
+    """
+
+    def __init__(self, device_uuid: str, interval_s: float = 0.005):
+        import pynvml  # nvidia-ml-py
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self._handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid)
+        self._start_used = pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
+        self._interval = interval_s
+        self._pid = os.getpid()
+        self.peak = 0
+        self.source = "nvml-process"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-peak", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int | None:
+        nvml = self._nvml
+        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+            if proc.pid == self._pid and proc.usedGpuMemory is not None:
+                return proc.usedGpuMemory
+        return None
+
+    def _run(self):
+        while not self._stop.is_set():
+            used = self._sample()
+            if used is None:
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+                self.source = "nvml-device"
+            self.peak = max(self.peak, used)
+            self._stop.wait(self._interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@dataclass
+class MemoryReport:
+    peak_bytes: int  # the figure the budget is checked against
+    source: str  # "nvml-process", "nvml-device" or "rss"
+    host_peak_rss_bytes: int
+    torch_peak_allocated_bytes: int | None = None
+    torch_peak_reserved_bytes: int | None = None
+
+
+class MemoryTracker:
+    """Tracks peak memory on `device` from construction to `report()`."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self._nvml = None
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+            # Name the same GPU in torch and NVML by its UUID, whatever the device ordering.
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self._nvml = NvmlPeak(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+    def report(self) -> MemoryReport:
+        rss = host_peak_rss_bytes()
+        if self._nvml is None:
+            return MemoryReport(peak_bytes=rss, source="rss", host_peak_rss_bytes=rss)
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        time.sleep(2 * self._nvml._interval)  # let the poller see the final state
+        peak = self._nvml.stop()
+        return MemoryReport(
+            peak_bytes=peak,
+            source=self._nvml.source,
+            host_peak_rss_bytes=rss,
+            torch_peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+            torch_peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+        )
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def timed_call(fn, device: str):
+    """Run fn() once; return (seconds, result), with the device synchronized on both sides."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def summarize(latencies: list[float]) -> dict:
+    ordered = sorted(latencies)
+    median = statistics.median(ordered)
+    return {
+        "latency_s": median,
+        "latencies_s": latencies,
+        "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
+    }

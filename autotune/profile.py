@@ -1,0 +1,226 @@
+"""The profile file: what a study found, in a form production loads with one call.
+
+    profile = autotune.load_profile("sdxl-8GB.yaml")
+    pipe = profile.load_pipeline()      # build the model and apply the best configuration
+    profile.apply(pipe)                 # or apply it to a pipeline loaded already
+
+Written atomically (a temporary file in the same folder, then a rename); read with a safe loader
+and validated, so a missing, corrupt, truncated or foreign file is one clear ProfileError.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import fingerprint
+from .errors import ProfileError
+from .knobs import Config, Target, apply_config, complete, torch_dtype
+from .models import ModelSpec
+from .workload import Workload
+
+FORMAT_VERSION = 1
+# Fingerprint keys whose difference makes the measured figures doubtful here.
+MACHINE_KEYS = ("device", "name", "memory_bytes", "capability")
+SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
+POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
+
+
+class ProfileMismatchWarning(UserWarning):
+    """The machine or libraries differ from those the profile was measured on."""
+
+
+def _point(record) -> dict:
+    r = record.result
+    return {
+        "trial": record.number,
+        "config": record.config,
+        "latency_s": r["latency_s"],
+        "peak_memory_bytes": r["peak_memory_bytes"],
+        "memory_source": r.get("memory_source"),
+        "torch_peak_allocated_bytes": r.get("torch_peak_allocated_bytes"),
+        "torch_peak_reserved_bytes": r.get("torch_peak_reserved_bytes"),
+        "host_peak_rss_bytes": r.get("host_peak_rss_bytes"),
+        "cold_start_s": r.get("cold_start_s"),
+        "per_step_s": r.get("per_step_s"),
+        "spread": r.get("spread"),
+    }
+
+
+def build(req, outcome, storage_label: str) -> dict:
+    """The profile document for a finished study (`study.TuneRequest`, `study.StudyOutcome`)."""
+    best = _point(outcome.best)
+    best["speedup_vs_baseline"] = (
+        outcome.baseline.latency_s / outcome.best.latency_s
+        if outcome.baseline and outcome.baseline.latency_s
+        else None
+    )
+    return {
+        "autotune_profile": FORMAT_VERSION,
+        "model": req.spec.to_dict(),
+        "workload": req.workload.to_dict(),
+        "budget": {"memory_bytes": req.budget_bytes},
+        "machine": fingerprint.machine(req.target.device),
+        "software": fingerprint.software(),
+        "best": best,
+        "baseline": _point(outcome.baseline) if outcome.baseline and outcome.baseline.latency_s else None,
+        "pareto": [_point(r) for r in outcome.front],
+        "study": {
+            "name": req.study_name,
+            "storage": storage_label,
+            **{k: v for k, v in outcome.counts.items()},
+            "stop_reason": outcome.stop_reason,
+        },
+    }
+
+
+def save(document: dict, path: str | Path) -> Path:
+    """Write atomically: readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(document, f, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass
+class Profile:
+    data: dict
+    path: Path | None = None
+
+    # ---- what it says -------------------------------------------------------------------------
+    @property
+    def model(self) -> ModelSpec:
+        return ModelSpec.from_dict(self.data["model"])
+
+    @property
+    def workload(self) -> Workload:
+        return Workload.from_dict(self.data["workload"])
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.data["budget"]["memory_bytes"]
+
+    @property
+    def best(self) -> dict:
+        return self.data["best"]
+
+    @property
+    def pareto(self) -> list[dict]:
+        return self.data["pareto"]
+
+    @property
+    def config(self) -> Config:
+        return complete(self.best["config"])
+
+    def choose(self, budget_bytes: int | None = None) -> dict:
+        """The fastest measured point that fits `budget_bytes` (default: the profile's best)."""
+        if budget_bytes is None:
+            return self.best
+        fitting = [p for p in self.pareto if p["peak_memory_bytes"] <= budget_bytes]
+        if not fitting:
+            smallest = min(p["peak_memory_bytes"] for p in self.pareto)
+            raise ProfileError(
+                f"no configuration in this profile fits {budget_bytes} bytes "
+                f"(the smallest measured peak is {smallest} bytes)"
+            )
+        return min(fitting, key=lambda p: p["latency_s"])
+
+    # ---- production ---------------------------------------------------------------------------
+    def _target(self, device: str | None) -> Target:
+        device = device or self.data["machine"]["device"]
+        if device.startswith("cuda") and not fingerprint.cuda_available():
+            raise ProfileError(
+                f"this profile was measured on {device}, and no CUDA GPU is usable here; "
+                "pass device='cpu' to load it anyway"
+            )
+        return Target(device=device, family=self.model.family, capability=fingerprint.capability(device))
+
+    def apply(self, pipe, device: str | None = None, budget_bytes: int | None = None):
+        """Put a loaded pipeline into the measured state (the same code the trials ran)."""
+        config = complete(self.choose(budget_bytes)["config"])
+        return apply_config(pipe, config, self._target(device))
+
+    def load_pipeline(self, device: str | None = None, budget_bytes: int | None = None):
+        """Build the profiled model and apply the chosen configuration, as the trial did."""
+        from .models import build_pipeline
+
+        target = self._target(device)
+        config = complete(self.choose(budget_bytes)["config"])
+        build_device = target.device if config["offload"] == "none" else "cpu"
+        pipe = build_pipeline(self.model, dtype=torch_dtype(config), device=build_device)
+        return apply_config(pipe, config, target)
+
+    def mismatches(self) -> list[str]:
+        machine = self.data["machine"]
+        here = fingerprint.machine(machine["device"]) if _device_here(machine["device"]) else {"device": "cpu"}
+        return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
+            self.data["software"], fingerprint.software(), SOFTWARE_KEYS
+        )
+
+
+def _device_here(device: str) -> bool:
+    return not device.startswith("cuda") or fingerprint.cuda_available()
+
+
+def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
+    """Read and validate a profile; warn (ProfileMismatchWarning) when this machine or its
+    library versions differ from those it was measured on."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"profile {path}: no such file") from None
+    except OSError as exc:
+        raise ProfileError(f"profile {path}: cannot read it ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ProfileError(f"profile {path}: not valid YAML (corrupt or truncated)") from None
+    validate(data, path)
+    profile = Profile(data, path)
+    if check_fingerprint:
+        for line in profile.mismatches():
+            warnings.warn(f"profile {path}: {line}", ProfileMismatchWarning, stacklevel=2)
+    return profile
+
+
+def validate(data, path) -> None:
+    if not data:
+        raise ProfileError(f"profile {path}: the file is empty")
+    if not isinstance(data, dict) or "autotune_profile" not in data:
+        raise ProfileError(f"profile {path}: not an autotune profile (no 'autotune_profile' key)")
+    version = data["autotune_profile"]
+    if version != FORMAT_VERSION:
+        raise ProfileError(
+            f"profile {path}: format version {version!r}, this autotune reads version {FORMAT_VERSION}"
+        )
+    for section in ("model", "workload", "budget", "machine", "software", "best", "pareto"):
+        if section not in data or data[section] is None:
+            raise ProfileError(f"profile {path}: section '{section}' is missing (truncated file?)")
+    try:
+        ModelSpec.from_dict(data["model"])
+        Workload.from_dict(data["workload"])
+        int(data["budget"]["memory_bytes"])
+        for point in [data["best"], *data["pareto"]]:
+            missing = [k for k in POINT_KEYS if k not in point]
+            if missing:
+                raise ProfileError(f"profile {path}: a measured point lacks {', '.join(missing)}")
+            complete(point["config"])
+    except ProfileError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProfileError(f"profile {path}: malformed ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,157 @@
+"""Human output: the space on this machine, live progress, the end-of-study summary, profiles."""
+
+from __future__ import annotations
+
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .knobs import CATALOGUE, baseline
+from .sizes import format_size
+
+
+def console() -> Console:
+    return Console(stderr=False, highlight=False, soft_wrap=True)
+
+
+def config_changes(config: dict) -> str:
+    """The knobs a config sets away from the baseline, as `name=value` pairs."""
+    base = baseline()
+    changed = [f"{k}={v}" for k, v in config.items() if base.get(k) != v]
+    return ", ".join(changed) or "baseline (float32, nothing enabled)"
+
+
+def print_space(space, target, out: Console | None = None) -> None:
+    out = out or console()
+    table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
+    table.add_column("knob")
+    table.add_column("searched")
+    table.add_column("help")
+    searched = {d.name: d for d in space.dimensions}
+    for name, knob in CATALOGUE.items():
+        dim = searched.get(name)
+        text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default}"
+        if dim and dim.when:
+            text += f"  (when {dim.when})"
+        table.add_row(name, text, knob.help)
+    out.print(table)
+    if space.dropped:
+        out.print("dropped on this machine:")
+        for d in space.dropped:
+            out.print(f"  - {d}")
+    rules = [str(r) for r in space.forbid]
+    if rules:
+        out.print("forbidden combinations: " + "; ".join(rules))
+
+
+def print_header(out: Console, request, space) -> None:
+    w = request.workload
+    out.print(
+        f"autotune: {request.spec.name} ({request.spec.kind}) on {request.target.device}, "
+        f"{w.height}x{w.width}, {w.steps} steps, batch {w.batch_size}; budget "
+        f"{format_size(request.budget_bytes)}; study {request.study_name}"
+    )
+    for d in space.dropped:
+        out.print(f"  dropped {d}")
+
+
+class TrialProgress:
+    """A live bar (trial count, current best, ETA) and one line per finished trial."""
+
+    def __init__(self, out: Console, total: int):
+        self.out = out
+        self.best = None
+        self.baseline = None
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=out,
+            transient=True,
+        )
+        self.task = self.progress.add_task("tuning", total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def update(self, record) -> None:
+        if record.baseline and record.latency_s:
+            self.baseline = record
+        if record.feasible and (self.best is None or record.latency_s < self.best.latency_s):
+            self.best = record
+        r = record.result
+        if record.status == "ok":
+            what = f"{record.latency_s:.3f} s, {format_size(record.peak_memory_bytes)}"
+            if not record.feasible:
+                what += " (over budget)"
+        else:
+            what = f"{record.status}: {r.get('error', '')}"[:160]
+        self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
+        desc = "tuning"
+        if self.best:
+            desc = f"best {self.best.latency_s:.3f} s"
+            if self.baseline:
+                desc += f" ({self.baseline.latency_s / self.best.latency_s:.2f}x)"
+        self.progress.update(self.task, advance=1, description=desc)
+
+
+def print_summary(out: Console, outcome, budget_bytes: int) -> None:
+    out.print(f"stopped: {outcome.stop_reason}")
+    by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
+    out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
+    table = Table(title=f"baseline vs best within {format_size(budget_bytes)}")
+    for col in ("", "latency", "peak memory", "cold start", "speedup", "configuration"):
+        table.add_column(col)
+    base = outcome.baseline
+    rows = [("baseline", base)] + ([("best", outcome.best)] if outcome.best else [])
+    for label, rec in rows:
+        if rec is None or rec.latency_s is None:
+            table.add_row(label, "-", "-", "-", "-", rec.status if rec else "not measured")
+            continue
+        speedup = f"{base.latency_s / rec.latency_s:.2f}x" if base and base.latency_s else "-"
+        cold = rec.result.get("cold_start_s")
+        table.add_row(
+            label, f"{rec.latency_s:.3f} s", format_size(rec.peak_memory_bytes),
+            f"{cold:.1f} s" if cold else "-", speedup, config_changes(rec.config),
+        )
+    out.print(table)
+    if len(outcome.front) > 1:
+        out.print("feasible Pareto front (memory -> latency): " + "; ".join(
+            f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
+
+
+def print_profile(out: Console, profile) -> None:
+    d = profile.data
+    m, w = d["model"], d["workload"]
+    out.print(f"profile {profile.path}")
+    out.print(f"  model: {m['name']} ({m['kind']}, {m['family']})  workload: {w['height']}x{w['width']}, "
+              f"{w['steps']} steps, batch {w['batch_size']}")
+    out.print(f"  budget: {format_size(d['budget']['memory_bytes'])}  machine: {d['machine'].get('name')} "
+              f"({d['machine'].get('device')})")
+    best = d["best"]
+    speed = best.get("speedup_vs_baseline")
+    out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}"
+              + (f", {speed:.2f}x the baseline" if speed else "")
+              + escape(f"  [{config_changes(best['config'])}]"))
+    table = Table(title="feasible Pareto front")
+    for col in ("trial", "latency", "peak memory", "configuration"):
+        table.add_column(col)
+    for p in d["pareto"]:
+        table.add_row(str(p.get("trial", "")), f"{p['latency_s']:.3f} s",
+                      format_size(p["peak_memory_bytes"]), config_changes(p["config"]))
+    out.print(table)
+    s = d.get("study", {})
+    out.print(f"  study: {s.get('name')} in {s.get('storage')}: {s.get('trials')} trials, "
+              f"{s.get('infeasible')} infeasible")
+
+
+__all__ = ["console", "print_space", "print_header", "TrialProgress", "print_summary", "print_profile"]

@@ -1,0 +1,314 @@
+"""The Optuna study: propose configs, measure each in a child process, record what was measured.
+
+Objective: latency (seconds, minimized). Constraint (seen by the sampler): peak memory against the
+budget, as a relative violation (> 0 is infeasible). A trial that ran out of memory, crashed or
+produced NaN completes as infeasible instead of failing, so the sampler learns from it. A config
+the rules forbid is told as pruned (infeasible) without being measured; a config measured already
+is not measured again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from . import runner, worker
+from .knobs import Config, Target, baseline
+from .models import ModelSpec
+from .space import SearchSpace, config_key
+from .workload import Workload
+
+HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial runs
+GRACE_S = 20  # a RUNNING trial without a heartbeat for this long was orphaned: failed, retried
+MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
+
+# Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
+# than any measured overshoot of the budget up to 100%, so the sampler ranks it last.
+BROKEN = 1.0
+
+
+@dataclass
+class TuneRequest:
+    spec: ModelSpec
+    workload: Workload
+    budget_bytes: int
+    space: SearchSpace  # restricted to the target already
+    target: Target
+    storage: str
+    study_name: str
+    trials: int  # measured trials the study should hold when done
+    workdir: Path  # per-trial request/result/log files
+    timeout_s: float | None = None
+    trial_timeout_s: float = 1200.0
+    repeats: int = 3
+    warmup: int = 1
+    threads: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    config: Config
+    status: str
+    result: dict
+    violation: float
+    baseline: bool = False
+    duplicate_of: int | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.status == worker.OK and self.violation <= 0
+
+    @property
+    def latency_s(self) -> float | None:
+        return self.result.get("latency_s")
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return self.result.get("peak_memory_bytes")
+
+
+@dataclass
+class StudyOutcome:
+    records: list[TrialRecord]  # measured trials (not duplicates, not forbidden), by number
+    stop_reason: str
+    baseline: TrialRecord | None = None
+    best: TrialRecord | None = None
+    front: list[TrialRecord] = field(default_factory=list)  # feasible Pareto front, by memory
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def smallest_peak_bytes(self) -> int | None:
+        peaks = [r.peak_memory_bytes for r in self.records if r.peak_memory_bytes]
+        return min(peaks) if peaks else None
+
+
+def violation(result: dict, budget_bytes: int) -> float:
+    peak = result.get("peak_memory_bytes")
+    over = (peak - budget_bytes) / budget_bytes if peak else 0.0
+    if result["status"] == worker.OK:
+        return over
+    return max(over, 0.0) + BROKEN
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
+    killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url,
+            heartbeat_interval=HEARTBEAT_S,
+            grace_period=GRACE_S,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2),
+        )
+
+
+def _record(trial: optuna.Trial, violation_value: float) -> None:
+    """What the sampler learns feasibility from: the relative overshoot of the memory budget."""
+    trial.set_user_attr("violation", violation_value)
+    trial.set_constraint("memory", violation_value)
+
+
+def make_sampler(seed: int | None) -> optuna.samplers.BaseSampler:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # multivariate + group: knobs interact (dtype x quantize x compile) and some are
+        # conditional. Constraints need no hook: TPE reads each trial's own (Trial.set_constraint)
+        # and models infeasible trials apart from feasible ones.
+        return optuna.samplers.TPESampler(
+            multivariate=True,
+            group=True,
+            n_startup_trials=5,
+            seed=seed,
+        )
+
+
+def _fail_stale_trials(study: optuna.Study) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def load_study(storage: str, study_name: str, seed: int | None = None) -> optuna.Study:
+    return optuna.create_study(
+        storage=open_storage(storage),
+        study_name=study_name,
+        direction="minimize",
+        sampler=make_sampler(seed),
+        load_if_exists=True,
+    )
+
+
+def record_of(frozen: optuna.trial.FrozenTrial) -> TrialRecord | None:
+    attrs = frozen.user_attrs
+    if "result" not in attrs:
+        return None
+    return TrialRecord(
+        number=frozen.number,
+        config=attrs["config"],
+        status=attrs["result"]["status"],
+        result=attrs["result"],
+        violation=attrs["violation"],
+        baseline=attrs.get("baseline", False),
+        duplicate_of=attrs.get("duplicate_of"),
+    )
+
+
+def summarize(study: optuna.Study, stop_reason: str = "") -> StudyOutcome:
+    records = []
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        record = record_of(frozen)
+        if record and record.duplicate_of is None:
+            records.append(record)
+    feasible = [r for r in records if r.feasible]
+    outcome = StudyOutcome(records=records, stop_reason=stop_reason)
+    outcome.baseline = next((r for r in records if r.baseline), None)
+    outcome.best = min(feasible, key=lambda r: r.latency_s, default=None)
+    outcome.front = pareto_front(feasible)
+    outcome.counts = {
+        "trials": len(records),
+        "complete": sum(r.status == worker.OK for r in records),
+        "infeasible": sum(not r.feasible for r in records),
+        "failed": sum(r.status != worker.OK for r in records),
+        "by_status": _count_by(r.status for r in records),
+    }
+    return outcome
+
+
+def pareto_front(feasible: list[TrialRecord]) -> list[TrialRecord]:
+    """Trials no other trial beats on both latency and peak memory, ordered by memory.
+
+    Two objectives and a handful of points: a sort and one pass, instead of recasting the study
+    as multi-objective only to read optuna's best_trials."""
+    front: list[TrialRecord] = []
+    for record in sorted(feasible, key=lambda r: (r.peak_memory_bytes, r.latency_s)):
+        if not front or record.latency_s < front[-1].latency_s:
+            front.append(record)
+    return front
+
+
+def _count_by(values) -> dict:
+    counts: dict = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None) -> StudyOutcome:
+    """Run the study until it holds `req.trials` measured trials, `req.timeout_s` has passed, or
+    the space is spent. Resumable: the same request continues a study where it stopped."""
+    study = load_study(req.storage, req.study_name, req.seed)
+    study.set_user_attr(
+        "request",
+        {
+            "model": req.spec.to_dict(),
+            "workload": req.workload.to_dict(),
+            "budget_bytes": req.budget_bytes,
+            "device": req.target.device,
+        },
+    )
+    storage = study._storage  # Optuna keeps no public handle for heartbeats in ask-and-tell
+    space = req.space
+    if not study.get_trials(deepcopy=False):
+        study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
+
+    n_configs = len(space.configs())
+    started = time.monotonic()
+    duplicates_in_a_row = 0
+
+    def measured() -> dict[str, int]:
+        out = {}
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
+                out.setdefault(frozen.user_attrs["config_key"], frozen.number)
+        return out
+
+    while True:
+        _fail_stale_trials(study)
+        done = measured()
+        if len(done) >= req.trials:
+            reason = f"{len(done)} trials measured (--trials {req.trials})"
+            break
+        if len(done) >= n_configs:
+            reason = f"every one of the space's {n_configs} configurations is measured"
+            break
+        if req.timeout_s is not None and time.monotonic() - started > req.timeout_s:
+            reason = f"--timeout {req.timeout_s:.0f} s reached"
+            break
+        if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
+            reason = "the sampler keeps proposing configurations measured already"
+            break
+
+        with warnings.catch_warnings():
+            # Optuna warns that heartbeats are meant for Study.optimize; in ask-and-tell this
+            # loop records them itself (runner's tick), which is what the warning asks for.
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = study.ask()
+        config = space.suggest(trial)
+        key = config_key(config)
+        trial.set_user_attr("config", config)
+        trial.set_user_attr("config_key", key)
+
+        forbidden = space.forbidden(config)
+        if forbidden:
+            _record(trial, BROKEN)
+            trial.set_user_attr("forbidden", forbidden)
+            study.tell(trial, state=TrialState.PRUNED)
+            duplicates_in_a_row += 1
+            continue
+        if key in done:
+            earlier = study.trials[done[key]]
+            trial.set_user_attr("result", earlier.user_attrs["result"])
+            _record(trial, earlier.user_attrs["violation"])
+            trial.set_user_attr("duplicate_of", earlier.number)
+            study.tell(trial, earlier.value)
+            duplicates_in_a_row += 1
+            continue
+        duplicates_in_a_row = 0
+
+        request = {
+            "model": req.spec.to_dict(),
+            "config": config,
+            "workload": req.workload.to_dict(),
+            "device": req.target.device,
+            "capability": req.target.capability,
+            "repeats": req.repeats,
+            "warmup": req.warmup,
+            "threads": req.threads,
+        }
+        try:
+            result = runner.run_trial(
+                request,
+                req.workdir / f"trial-{trial.number:05d}",
+                timeout_s=req.trial_timeout_s,
+                tick=lambda: storage.record_heartbeat(trial._trial_id),
+                tick_every_s=1.0,
+            )
+        except KeyboardInterrupt:
+            # The child is dead already (runner killed its group). Fail this trial and queue
+            # its config again, so the same command resumes by measuring it first.
+            study.tell(trial, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
+            raise
+        v = violation(result, req.budget_bytes)
+        trial.set_user_attr("result", result)
+        _record(trial, v)
+        latency = result.get("latency_s")
+        study.tell(trial, latency if result["status"] == worker.OK else math.inf)
+        if on_trial:
+            on_trial(record_of(study.trials[trial.number]))
+
+    return summarize(study, reason)

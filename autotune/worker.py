@@ -1,0 +1,141 @@
+"""The child side of a trial: build, configure, warm up, measure; report JSON to the parent.
+
+Run as `python -m autotune.worker REQUEST.json RESULT.json`. Everything that can go wrong inside
+the pipeline is caught here and reported as a classified result; what kills the process (a signal,
+the kernel's OOM killer, a timeout) is classified by the parent (runner.py) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_T0 = time.perf_counter()
+
+# Trial statuses. "ok" is the only one with a latency; the rest are results too, not crashes of
+# the study: the sampler learns from them as infeasible points.
+OK = "ok"
+OUT_OF_MEMORY = "out_of_memory"
+UNSUPPORTED = "unsupported"
+COMPILE_ERROR = "compile_error"
+NAN_OUTPUT = "nan_output"
+ERROR = "error"
+TIMEOUT = "timeout"  # set by the parent
+CRASHED = "crashed"  # set by the parent
+
+
+def classify(exc: BaseException) -> str:
+    import torch
+
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text:
+        return OUT_OF_MEMORY
+    if "can't allocate memory" in text or "cannot allocate memory" in text:
+        return OUT_OF_MEMORY
+    module = type(exc).__module__ or ""
+    if module.startswith(("torch._dynamo", "torch._inductor")) or "inductor" in text:
+        return COMPILE_ERROR
+    if isinstance(exc, NotImplementedError) or "not implemented for" in text or "not supported" in text:
+        return UNSUPPORTED
+    return ERROR
+
+
+def _finite(output) -> bool:
+    import numpy as np
+
+    images = np.asarray(output.images)
+    return bool(np.isfinite(images).all())
+
+
+def run(request: dict) -> dict:
+    import torch
+
+    from .knobs import Target, apply_config, torch_dtype
+    from .measure import MemoryTracker, summarize, timed_call
+    from .models import ModelSpec, build_pipeline
+    from .workload import Workload
+
+    threads = request.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    device = request["device"]
+    spec = ModelSpec.from_dict(request["model"])
+    workload = Workload.from_dict(request["workload"])
+    config = request["config"]
+    target = Target(device=device, family=spec.family, capability=request.get("capability"))
+    result: dict = {"status": OK, "threads": torch.get_num_threads()}
+
+    tracker = MemoryTracker(device)
+    phase = "load"
+    try:
+        # Importing the pipeline class is paid once per serving process, not per model load:
+        # reported on its own, outside the cold start.
+        import diffusers
+
+        getattr(diffusers, spec.pipeline_class)
+        result["import_s"] = time.perf_counter() - _T0
+        t_start = time.perf_counter()
+        # Offload hooks place the weights themselves: build on the CPU for them.
+        build_device = device if config.get("offload", "none") == "none" else "cpu"
+        pipe = build_pipeline(spec, dtype=torch_dtype(config), device=build_device)
+        apply_config(pipe, config, target)
+        pipe.set_progress_bar_config(disable=True)
+        result["load_s"] = time.perf_counter() - t_start
+
+        def call():
+            generator = torch.Generator("cpu").manual_seed(workload.seed)
+            # The call production makes (pipelines run under no_grad themselves); numpy output
+            # lets the NaN check look at every value.
+            return pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
+
+        phase = "first call"
+        first_s, output = timed_call(call, device)
+        result["first_call_s"] = first_s
+        result["cold_start_s"] = result["load_s"] + first_s
+        if not _finite(output):
+            result["status"] = NAN_OUTPUT
+            result["error"] = "the output holds NaN or inf"
+            return result
+        phase = "warm-up"
+        for _ in range(max(0, int(request.get("warmup", 1)) - 1)):
+            timed_call(call, device)
+        phase = "timed calls"
+        latencies = [timed_call(call, device)[0] for _ in range(int(request.get("repeats", 3)))]
+        result.update(summarize(latencies))
+        result["per_step_s"] = result["latency_s"] / workload.steps
+    except Exception as exc:  # every failure is a result, classified
+        result["status"] = classify(exc)
+        result["error"] = f"{phase}: {type(exc).__name__}: {exc}".splitlines()[0][:500]
+        result["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        memory = tracker.report()
+        result.update(
+            peak_memory_bytes=memory.peak_bytes,
+            memory_source=memory.source,
+            host_peak_rss_bytes=memory.host_peak_rss_bytes,
+            torch_peak_allocated_bytes=memory.torch_peak_allocated_bytes,
+            torch_peak_reserved_bytes=memory.torch_peak_reserved_bytes,
+            worker_s=time.perf_counter() - _T0,
+        )
+    return result
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    result = run(json.loads(request_path.read_text()))
+    _write_json(result_path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

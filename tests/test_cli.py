@@ -1,0 +1,172 @@
+"""The command line as a user runs it: real child processes, a real SQLite study, real trials."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import optuna
+import pytest
+import yaml
+
+from conftest import ROOT
+
+# A small space on tiny-sd15 so that end-to-end runs stay short: 8 configurations.
+SMALL_SPACE = "knobs:\n  dtype: [float32, bfloat16]\n  channels_last: [false, true]\n  attention: [sdpa, sliced]\n"
+
+
+def one_line_error(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--vram", "8XB"], "not a memory size"),
+        (["--vram", "-1GB"], "not a positive memory size"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--trials", "0"], "must be at least 1"),
+        (["--steps", "zero"], "not a whole number"),
+        (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["--space", "missing.yaml"], "no such file"),
+        (["show", "missing.yaml"], "no such file"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
+    line = one_line_error(cli(*args))
+    assert message in line
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("knobs:\n  warp_drive: [on]\n", "unknown knob 'warp_drive'"),
+        ("knobs: [dtype\n", "not valid YAML"),
+    ],
+)
+def test_bad_space_files_give_one_line(cli, tmp_path, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    assert message in one_line_error(cli("--space", "bad.yaml", "--model", "tiny-sd15"))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("", "empty"), ("autotune_profile: 1\nmodel: {name: x\n", "not valid YAML"), ("autotune_profile: 7\n", "format version 7")],
+)
+def test_bad_profiles_give_one_line(cli, tmp_path, content, message):
+    (tmp_path / "p.yaml").write_text(content)
+    assert message in one_line_error(cli("show", "p.yaml"))
+
+
+def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
+    proc = cli("--model", "tiny-sdxl", "--list-knobs")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "dtype" in out and "bfloat16" in out and "sliced" in out
+    assert "offload=model: CPU offload needs an accelerator" in out
+
+
+def study_trials(tmp_path):
+    url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
+    (summary,) = optuna.get_all_study_summaries(url)
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    return [t for t in study.trials if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs]
+
+
+@pytest.mark.slow
+def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "2", "--sampler-seed", "1"]
+    proc = cli(*args, "--trials", "3")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "profile written: tiny-sd15-8GB.yaml" in proc.stdout
+    assert "baseline" in proc.stdout and "speedup" in proc.stdout
+    trials = study_trials(tmp_path)
+    assert len(trials) == 3
+    assert trials[0].user_attrs["baseline"] and trials[0].user_attrs["config"]["dtype"] == "float32"
+    keys = [t.user_attrs["config_key"] for t in trials]
+    assert len(set(keys)) == len(keys)  # no configuration measured twice
+
+    profile = yaml.safe_load((tmp_path / "tiny-sd15-8GB.yaml").read_text())
+    assert profile["best"]["latency_s"] <= profile["baseline"]["latency_s"]
+    assert profile["study"]["trials"] == 3
+    assert profile["pareto"] and profile["pareto"][0]["peak_memory_bytes"] <= 8 * 2**30
+
+    # The same command with more trials continues the same study.
+    proc = cli(*args, "--trials", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert len(study_trials(tmp_path)) == 4
+
+    shown = cli("show", "tiny-sd15-8GB.yaml")
+    assert shown.returncode == 0 and "feasible Pareto front" in shown.stdout
+
+
+@pytest.mark.slow
+def test_an_impossible_budget_ends_with_the_smallest_peak_and_no_profile(cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli("--model", "tiny-sd15", "--vram", "1MB", "--space", "small.yaml", "--trials", "2", "--repeats", "1")
+    assert proc.returncode == 3
+    line = one_line_error(proc)
+    assert "no configuration fits 1.00 MiB: the smallest peak memory measured was" in line
+    assert not list(tmp_path.glob("*.yaml")) or [p.name for p in tmp_path.glob("*.yaml")] == ["small.yaml"]
+    trials = study_trials(tmp_path)
+    assert len(trials) == 2  # the study went on after the first infeasible trial
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert all(t.user_attrs["violation"] > 0 for t in trials)
+    assert all(t.constraints["memory"] > 0 for t in trials)  # what the sampler sees
+
+
+CHECK_STATE = textwrap.dedent(
+    """
+    import json, sys, torch, numpy as np
+    import autotune
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+    profile = autotune.load_profile(sys.argv[1])
+    pipe = profile.load_pipeline(device="cpu")
+    w = profile.workload
+    out = pipe(prompt=w.prompt, height=w.height, width=w.width, num_inference_steps=w.steps,
+               generator=torch.Generator("cpu").manual_seed(w.seed), output_type="np").images
+    print(json.dumps({
+        "dtype": str(pipe.unet.dtype).replace("torch.", ""),
+        "channels_last": pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last),
+        "sliced": all(isinstance(p, SlicedAttnProcessor) for p in pipe.unet.attn_processors.values()),
+        "compiled": pipe.unet._compiled_call_impl is not None,
+        "image_shape": list(out.shape),
+        "finite": bool(np.isfinite(out).all()),
+    }))
+    """
+)
+
+
+def state_in_fresh_process(path):
+    proc = subprocess.run([sys.executable, "-c", CHECK_STATE, str(path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_written_profile_reproduces_its_state_in_a_fresh_process(cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli("--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "2", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "tiny-sd15-8GB.yaml"
+    doc = yaml.safe_load(path.read_text())
+
+    config = doc["best"]["config"]
+    state = state_in_fresh_process(path)
+    assert state["dtype"] == config["dtype"]
+    assert state["channels_last"] == config["channels_last"]
+    assert state["sliced"] == (config["attention"] == "sliced")
+    assert state["compiled"] is False
+    assert state["finite"] and state["image_shape"][1:3] == [doc["workload"]["height"], doc["workload"]["width"]]
+
+    # Every knob away from its default: the fresh process must reach exactly that state.
+    doc["best"]["config"] = {**config, "dtype": "bfloat16", "channels_last": True, "attention": "sliced", "compile": "default"}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    state = state_in_fresh_process(path)
+    assert state == {**state, "dtype": "bfloat16", "channels_last": True, "sliced": True, "compiled": True, "finite": True}

@@ -1,0 +1,131 @@
+"""Each knob's effect on the state of a real tiny pipeline, and that the pipeline still runs."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.attention_processor import FusedAttnProcessor2_0, SlicedAttnProcessor
+
+from autotune.knobs import CATALOGUE, Target, apply_config, baseline
+from conftest import build_tiny, generate
+
+CPU = Target(device="cpu", family="sdxl")
+
+
+def finite(images) -> bool:
+    return bool(np.isfinite(images).all())
+
+
+def is_torchao(tensor) -> bool:
+    return type(tensor).__module__.startswith("torchao")
+
+
+def test_baseline_is_float32_with_default_processors():
+    pipe = build_tiny("sdxl", baseline())
+    assert pipe.unet.dtype == torch.float32 and pipe.vae.dtype == torch.float32
+    assert not any(isinstance(p, (SlicedAttnProcessor, FusedAttnProcessor2_0)) for p in pipe.unet.attn_processors.values())
+    assert finite(generate(pipe, "sdxl"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_casts_every_component(dtype):
+    pipe = build_tiny("sdxl", {"dtype": dtype})
+    want = getattr(torch, dtype)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        assert getattr(pipe, name).dtype == want, name
+
+
+def test_dtype_applies_to_a_pipeline_loaded_in_another_dtype():
+    from autotune.models import build_pipeline, resolve_model
+
+    pipe = build_pipeline(resolve_model("tiny-sd15"), dtype=torch.float32)
+    apply_config(pipe, {"dtype": "bfloat16"}, Target(device="cpu", family="sd15"))
+    assert pipe.unet.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("choice, slice_size", [("sliced", "auto"), ("sliced-max", "max")])
+def test_attention_slicing_installs_sliced_processors(choice, slice_size):
+    pipe = build_tiny("sdxl", {"attention": choice})
+    processors = list(pipe.unet.attn_processors.values())
+    assert processors and all(isinstance(p, SlicedAttnProcessor) for p in processors)
+    if slice_size == "max":
+        assert all(p.slice_size == 1 for p in processors)
+    assert finite(generate(pipe, "sdxl"))
+
+
+def test_attention_slicing_is_unavailable_for_transformers():
+    reason = CATALOGUE["attention"].unavailable("sliced", Target(device="cpu", family="flux"))
+    assert reason and "no-op" in reason
+
+
+def test_channels_last_reaches_unet_and_vae_convolutions():
+    pipe = build_tiny("sdxl", {"channels_last": True})
+    assert pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert finite(generate(pipe, "sdxl"))
+
+
+def test_channels_last_on_a_transformer_model_touches_the_vae():
+    pipe = build_tiny("flux", {"channels_last": True})
+    assert pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fuse_qkv_fuses_unet_and_vae_attention():
+    pipe = build_tiny("sdxl", {"fuse_qkv": True})
+    processors = list(pipe.unet.attn_processors.values())
+    assert all(isinstance(p, FusedAttnProcessor2_0) for p in processors)
+    assert all(isinstance(p, FusedAttnProcessor2_0) for p in pipe.vae.attn_processors.values())
+    assert finite(generate(pipe, "sdxl"))
+
+
+def test_fuse_qkv_on_flux_fuses_the_transformer():
+    pipe = build_tiny("flux", {"fuse_qkv": True})
+    fused = [m for m in pipe.transformer.modules() if getattr(m, "fused_projections", False)]
+    assert fused
+    assert finite(generate(pipe, "flux"))
+
+
+def test_vae_slicing_and_tiling_flags():
+    pipe = build_tiny("sdxl", {"vae_slicing": True, "vae_tiling": True})
+    assert pipe.vae.use_slicing and pipe.vae.use_tiling
+    plain = build_tiny("sdxl")
+    assert not plain.vae.use_slicing and not plain.vae.use_tiling
+
+
+@pytest.mark.parametrize("choice", ["int8wo", "int8dq"])
+def test_quantize_replaces_denoiser_linear_weights(choice):
+    pipe = build_tiny("sdxl", {"quantize": choice})
+    linears = [m for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(is_torchao(m.weight) for m in linears)
+    assert not any(is_torchao(p) for p in pipe.vae.parameters())
+    assert finite(generate(pipe, "sdxl"))
+
+
+def test_fuse_then_quantize_in_one_config_works():
+    pipe = build_tiny("sdxl", {"fuse_qkv": True, "quantize": "int8wo", "dtype": "bfloat16"})
+    assert any(is_torchao(m.weight) for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear))
+    assert finite(generate(pipe, "sdxl"))
+
+
+def test_compile_wraps_the_denoiser_in_place():
+    pipe = build_tiny("sd15", {"compile": "default"})
+    assert pipe.unet._compiled_call_impl is not None
+    assert build_tiny("sd15").unet._compiled_call_impl is None
+
+
+@pytest.mark.slow
+def test_compiled_denoiser_runs_on_the_cpu():
+    pipe = build_tiny("sd15", {"compile": "default"})
+    assert finite(generate(pipe, "sd15", steps=1))
+
+
+def test_offload_needs_an_accelerator():
+    for choice in ("model", "sequential"):
+        assert "accelerator" in CATALOGUE["offload"].unavailable(choice, CPU)
+    assert CATALOGUE["offload"].unavailable("none", CPU) is None
+
+
+def test_unknown_knobs_and_choices_are_rejected():
+    with pytest.raises(ValueError, match="unknown knob"):
+        apply_config(None, {"warp": 9}, CPU)
+    with pytest.raises(ValueError, match="no choice"):
+        apply_config(None, {"dtype": "float64"}, CPU)

@@ -1,0 +1,113 @@
+"""The profile file: atomic writes, validation with one-line errors, fingerprints, choosing."""
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotune import ProfileError, ProfileMismatchWarning, fingerprint, load_profile
+from autotune import profile as profile_io
+from autotune.knobs import baseline
+from autotune.models import resolve_model
+
+GiB = 2**30
+
+
+def point(trial, latency, peak, **config):
+    return {"trial": trial, "config": {**baseline(), **config}, "latency_s": latency, "peak_memory_bytes": peak}
+
+
+def document():
+    spec = resolve_model("tiny-sd15")
+    fast = point(3, 0.10, 3 * GiB, dtype="bfloat16", channels_last=True)
+    small = point(5, 0.20, 1 * GiB, dtype="bfloat16", attention="sliced")
+    return {
+        "autotune_profile": profile_io.FORMAT_VERSION,
+        "model": spec.to_dict(),
+        "workload": spec.default_workload.to_dict(),
+        "budget": {"memory_bytes": 4 * GiB},
+        "machine": fingerprint.machine("cpu"),
+        "software": fingerprint.software(),
+        "best": fast,
+        "baseline": point(0, 0.30, 2 * GiB),
+        "pareto": [small, fast],
+        "study": {"name": "s", "trials": 6},
+    }
+
+
+@pytest.fixture
+def written(tmp_path) -> Path:
+    return profile_io.save(document(), tmp_path / "p.yaml")
+
+
+def test_save_then_load_round_trips(written):
+    profile = load_profile(written)
+    assert profile.data == document()
+    assert profile.config["dtype"] == "bfloat16" and profile.config["channels_last"] is True
+    assert not list(written.parent.glob("*.tmp"))
+
+
+def test_a_failed_write_leaves_the_old_file_whole(written):
+    before = written.read_text()
+    bad = document() | {"best": object()}  # not representable by the safe dumper
+    with pytest.raises(yaml.YAMLError):
+        profile_io.save(bad, written)
+    assert written.read_text() == before
+    assert not list(written.parent.glob("*.tmp"))
+
+
+def test_choose_takes_the_fastest_point_that_fits(written):
+    profile = load_profile(written)
+    assert profile.choose()["trial"] == 3
+    assert profile.choose(2 * GiB)["trial"] == 5
+    with pytest.raises(ProfileError, match="smallest measured peak"):
+        profile.choose(GiB // 2)
+
+
+@pytest.mark.parametrize(
+    "mangle, message",
+    [
+        (lambda p: p.unlink(), "no such file"),
+        (lambda p: p.write_text(""), "empty"),
+        (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), "truncated"),
+        (lambda p: p.write_text("best: [1, 2\n"), "not valid YAML"),
+        (lambda p: p.write_text("just: a mapping\n"), "not an autotune profile"),
+        (lambda p: p.write_text(p.read_text().replace("autotune_profile: 1", "autotune_profile: 2")), "format version 2"),
+        (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),
+    ],
+)
+def test_bad_profiles_give_one_clear_line(written, mangle, message):
+    mangle(written)
+    with pytest.raises(ProfileError) as exc:
+        load_profile(written)
+    text = str(exc.value)
+    assert message in text or (message == "truncated" and ("truncated" in text or "not valid YAML" in text))
+    assert "\n" not in text
+
+
+def test_a_different_library_version_warns(tmp_path):
+    doc = copy.deepcopy(document())
+    doc["software"]["diffusers"] = "0.0.1"
+    path = profile_io.save(doc, tmp_path / "old.yaml")
+    with pytest.warns(ProfileMismatchWarning, match="diffusers"):
+        load_profile(path)
+
+
+def test_the_same_machine_does_not_warn(written):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileMismatchWarning)
+        load_profile(written)
+
+
+def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
+    if fingerprint.cuda_available():
+        pytest.skip("this machine has a GPU")
+    doc = document()
+    doc["machine"] = {**doc["machine"], "device": "cuda", "name": "NVIDIA H100"}
+    path = profile_io.save(doc, tmp_path / "gpu.yaml")
+    with pytest.warns(ProfileMismatchWarning):
+        profile = load_profile(path)
+    with pytest.raises(ProfileError, match="device='cpu'"):
+        profile.load_pipeline()

@@ -1,0 +1,85 @@
+"""Trials in real child processes: measured, timed out, crashed, failed, classified."""
+
+import signal
+
+import psutil
+import pytest
+import torch
+
+from autotune import runner, worker
+from autotune.models import resolve_model
+
+
+def request(config=None, family="sd15", **extra):
+    spec = resolve_model(f"tiny-{family}")
+    return {
+        "model": spec.to_dict(),
+        "config": config or {},
+        "workload": spec.default_workload.to_dict(),
+        "device": "cpu",
+        "repeats": 2,
+        "warmup": 1,
+        **extra,
+    }
+
+
+def test_a_trial_measures_latency_memory_and_cold_start(tmp_path):
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300)
+    assert result["status"] == worker.OK, result.get("error")
+    assert len(result["latencies_s"]) == 2 and result["latency_s"] > 0
+    assert result["memory_source"] == "rss"
+    assert result["peak_memory_bytes"] > 100 * 2**20  # a process that imported torch
+    assert result["cold_start_s"] >= result["first_call_s"] > 0
+    assert result["wall_s"] >= result["cold_start_s"]
+    assert result["threads"] >= 1
+
+
+def test_a_trial_over_its_time_limit_is_killed(tmp_path):
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=1.0, tick_every_s=0.2)
+    assert result["status"] == worker.TIMEOUT
+    assert not psutil.Process().children(recursive=True)
+
+
+def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path):
+    def crash_children():
+        for child in psutil.Process().children(recursive=True):
+            child.send_signal(signal.SIGSEGV)
+
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, tick=crash_children, tick_every_s=0.5)
+    assert result["status"] == worker.CRASHED
+    assert result["signal"] == "SIGSEGV"
+
+
+def test_an_exception_in_the_child_comes_back_as_a_result(tmp_path):
+    # A pipeline directory that vanished: loading raises inside the child, which reports it.
+    req = request()
+    req["model"] = {**req["model"], "kind": "pretrained", "source": str(tmp_path / "gone")}
+    result = runner.run_trial(req, tmp_path / "t", timeout_s=300)
+    assert result["status"] == worker.ERROR
+    assert result["error"].startswith("load:")
+    assert "Traceback" in result["traceback"]
+    assert result["peak_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), worker.OUT_OF_MEMORY),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), worker.OUT_OF_MEMORY),
+        (MemoryError(), worker.OUT_OF_MEMORY),
+        (NotImplementedError("x"), worker.UNSUPPORTED),
+        (RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\''), worker.UNSUPPORTED),
+        (ValueError("something else"), worker.ERROR),
+    ],
+)
+def test_classify(exc, status):
+    assert worker.classify(exc) == status
+
+
+def test_classify_compile_errors():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        raise BackendCompilerFailed(lambda: None, RuntimeError("boom"), None)
+    except Exception as exc:
+        assert worker.classify(exc) == worker.COMPILE_ERROR
