@@ -98,6 +98,9 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=_positive_int, default=1, help="untimed calls per trial")
     s.add_argument("--threads", type=_positive_int, help="CPU threads per trial (default: torch's)")
     s.add_argument("--sampler-seed", type=int, help="seed of the sampler, for repeatable runs")
+    s.add_argument("--launcher", choices=("fork", "spawn"),
+                   help="start trials forked from a preloaded server (fast) or as fresh "
+                   "interpreters (default: fork on a CPU, spawn on a GPU)")
     o = p.add_argument_group("storage and output")
     o.add_argument("--storage", help="Optuna storage URL (default: sqlite:///"
                    f"{DEFAULT_STORAGE_DIR}/studies.db); journal:PATH for a journal file")
@@ -178,6 +181,7 @@ def _tune(args) -> int:
     from .errors import AutotuneError, SpaceError
     from .knobs import Target
     from .models import resolve_model
+    from .runner import default_launcher
     from .sizes import format_size, short_size
     from .space import SearchSpace
     from .study import TuneRequest, tune
@@ -191,7 +195,7 @@ def _tune(args) -> int:
 
     if args.space is not None and not args.space.exists():
         raise SpaceError(f"search space {args.space}: no such file")
-    space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_family(spec.family)
+    space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
     space = space.restrict(target)
     if args.list_knobs:
         report.print_space(space, target)
@@ -208,6 +212,7 @@ def _tune(args) -> int:
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
         timeout_s=args.timeout, trial_timeout_s=args.trial_timeout, repeats=args.repeats,
         warmup=args.warmup, threads=args.threads, seed=args.sampler_seed,
+        launcher=args.launcher or default_launcher(device),
     )
     console = report.console()
     report.print_header(console, request, space)

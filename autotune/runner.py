@@ -1,12 +1,20 @@
 """The parent side of a trial: start the worker in its own process group, wait, kill, classify.
 
-Each trial runs in a fresh child process so that a crash, a leak, global state changed by a knob
+Each trial runs in a process of its own, so that a crash, a leak, global state changed by a knob
 (torchao's inductor settings, compiled graphs) or an out-of-memory kill cannot touch the study.
+
+Two launchers start that process:
+- "fork": forked from a server process that imported torch and diffusers once (Python's own
+  multiprocessing forkserver, preloading autotune.preload). A trial starts in milliseconds.
+- "spawn": a fresh interpreter per trial (`python -m autotune.worker`), paying the imports each
+  time. The default on CUDA targets until the fork path has been checked on a GPU.
+Either way the child leads its own process group, so one killpg ends it and anything it started.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,13 +25,77 @@ from typing import Callable
 
 from . import worker
 
+LAUNCHERS = ("fork", "spawn")
 
-def _kill_group(proc: subprocess.Popen) -> None:
+
+def default_launcher(device: str) -> str:
+    return "spawn" if device.startswith("cuda") else "fork"
+
+
+class _Spawned:
+    def __init__(self, request_path: Path, result_path: Path, log_path: Path):
+        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self):
+        self._log.close()
+
+
+_forkserver = None
+
+
+def _fork_context(log_dir: Path):
+    global _forkserver
+    if _forkserver is None:
+        # The server starts on the first trial and inherits this environment.
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        os.environ.setdefault("AUTOTUNE_FORKSERVER_LOG", str(log_dir / "forkserver.log"))
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(["autotune.preload"])
+    return _forkserver
+
+
+class _Forked:
+    def __init__(self, request_path: Path, result_path: Path, log_path: Path):
+        self.proc = _fork_context(log_path.parent.parent).Process(
+            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path)), daemon=False
+        )
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def close(self):
+        self.proc.close()
+
+
+def _kill_group(child) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone already, or killed before it could lead a group of its own
+    try:
+        os.kill(child.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
+    child.wait(None)
 
 
 def _log_tail(path: Path, chars: int = 2000) -> str:
@@ -39,6 +111,7 @@ def run_trial(
     timeout_s: float,
     tick: Callable[[], None] | None = None,
     tick_every_s: float = 1.0,
+    launcher: str = "spawn",
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
@@ -51,46 +124,40 @@ def run_trial(
     )
     request_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
-    env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
     started = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group: one killpg ends it and its children
-        )
-        try:
-            while True:
-                try:
-                    proc.wait(timeout=tick_every_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    if tick:
-                        tick()
-                    if time.perf_counter() - started > timeout_s:
-                        _kill_group(proc)
-                        return {
-                            "status": worker.TIMEOUT,
-                            "error": f"no result after {timeout_s:.0f} s (--trial-timeout); killed",
-                            "wall_s": time.perf_counter() - started,
-                        }
-        except BaseException:
-            _kill_group(proc)
-            raise
+    child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)
+    try:
+        while True:
+            returncode = child.wait(tick_every_s)
+            if returncode is not None:
+                break
+            if tick:
+                tick()
+            if time.perf_counter() - started > timeout_s:
+                _kill_group(child)
+                return {
+                    "status": worker.TIMEOUT,
+                    "error": f"no result after {timeout_s:.0f} s (--trial-timeout); killed",
+                    "wall_s": time.perf_counter() - started,
+                    "launcher": launcher,
+                }
+    except BaseException:
+        _kill_group(child)
+        raise
+    finally:
+        child.close()
     wall_s = time.perf_counter() - started
     if result_path.exists():
         result = json.loads(result_path.read_text())
-    elif proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
+    elif returncode < 0:
+        name = signal.Signals(-returncode).name
         hint = " (the kernel's OOM killer sends this when host memory runs out)" if name == "SIGKILL" else ""
         result = {"status": worker.CRASHED, "signal": name, "error": f"killed by {name}{hint}"}
     else:
         tail = _log_tail(log_path).strip().splitlines()
         last = tail[-1] if tail else ""
-        result = {"status": worker.CRASHED, "error": f"exited with code {proc.returncode}: {last}"}
+        result = {"status": worker.CRASHED, "error": f"exited with code {returncode}: {last}"}
     result["wall_s"] = wall_s
+    result["launcher"] = launcher
     result["log"] = str(log_path)
     return result

@@ -6,6 +6,7 @@ A space file (search_spaces/*.yaml) names knobs of the catalogue and the choices
     knobs:
       dtype: [float32, bfloat16]
       compile: default                    # a single value: that choice beside the baseline's
+      offload: [none]                     # only the baseline's value: the knob is not searched
       quantize: {choices: [none, int8wo], when: {dtype: bfloat16}}   # searched only when active
     forbid:
       - {quantize: int8dq, compile: none} # a partial config never to measure
@@ -60,6 +61,16 @@ class SearchSpace:
     def from_file(cls, path: str | Path) -> "SearchSpace":
         knobs, forbid = _read_layers(Path(path), seen=())
         return cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path))
+
+    @classmethod
+    def for_model(cls, spec) -> "SearchSpace":
+        """The shipped space of a model: its own file (tiny-sdxl.yaml) if there is one, else its
+        family's (sdxl.yaml), else default.yaml."""
+        for name in (spec.name, spec.family, "default"):
+            path = SHIPPED_DIR / f"{name}.yaml"
+            if path.exists():
+                return cls.from_file(path)
+        raise SpaceError(f"no shipped search space for {spec.name}")
 
     @classmethod
     def for_family(cls, family: str) -> "SearchSpace":
@@ -194,7 +205,9 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
         default = CATALOGUE[name].default
         if default not in choices:  # the baseline must stay a point of the space
             choices = [default, *choices]
-        dims.append(Dimension(name, tuple(dict.fromkeys(choices)), when))
+        choices = tuple(dict.fromkeys(choices))
+        if len(choices) > 1:  # a knob with only the baseline's value is not searched
+            dims.append(Dimension(name, choices, when))
     for name in knobs:
         if name not in CATALOGUE:
             _check_value(name, None, path)

@@ -51,6 +51,7 @@ class TuneRequest:
     warmup: int = 1
     threads: int | None = None
     seed: int | None = None
+    launcher: str = "spawn"  # runner.LAUNCHERS
 
 
 @dataclass
@@ -296,6 +297,7 @@ def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None
                 timeout_s=req.trial_timeout_s,
                 tick=lambda: storage.record_heartbeat(trial._trial_id),
                 tick_every_s=1.0,
+                launcher=req.launcher,
             )
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue

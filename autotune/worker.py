@@ -51,7 +51,7 @@ def _finite(output) -> bool:
     return bool(np.isfinite(images).all())
 
 
-def run(request: dict) -> dict:
+def run(request: dict, started: float = _T0) -> dict:
     import torch
 
     from .knobs import Target, apply_config, torch_dtype
@@ -77,7 +77,7 @@ def run(request: dict) -> dict:
         import diffusers
 
         getattr(diffusers, spec.pipeline_class)
-        result["import_s"] = time.perf_counter() - _T0
+        result["import_s"] = time.perf_counter() - started
         t_start = time.perf_counter()
         # Offload hooks place the weights themselves: build on the CPU for them.
         build_device = device if config.get("offload", "none") == "none" else "cpu"
@@ -119,7 +119,7 @@ def run(request: dict) -> dict:
             host_peak_rss_bytes=memory.host_peak_rss_bytes,
             torch_peak_allocated_bytes=memory.torch_peak_allocated_bytes,
             torch_peak_reserved_bytes=memory.torch_peak_reserved_bytes,
-            worker_s=time.perf_counter() - _T0,
+            worker_s=time.perf_counter() - started,
         )
     return result
 
@@ -130,11 +130,21 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], started: float = _T0) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    result = run(json.loads(request_path.read_text()))
+    result = run(json.loads(request_path.read_text()), started)
     _write_json(result_path, result)
     return 0
+
+
+def forked_main(request_path: str, result_path: str, log_path: str) -> None:
+    """Entry point of a trial forked from the fork server (runner.py, launcher "fork")."""
+    started = time.perf_counter()
+    os.setsid()  # lead a process group, as a spawned worker does, so killpg reaches everything
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    main([request_path, result_path], started)
 
 
 if __name__ == "__main__":

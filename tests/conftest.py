@@ -1,49 +1,23 @@
-"""Shared helpers: tiny offline pipelines with a configuration applied, and the CLI in a child."""
-
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))  # tests import helpers.py by name
+
+from helpers import run_cli  # noqa: E402
 
 
-def build_tiny(family: str, config: dict | None = None):
-    """A tiny pipeline of `family` on the CPU, in the state `config` describes."""
-    from autotune.knobs import Target, apply_config, torch_dtype
-    from autotune.models import build_pipeline, resolve_model
-
-    spec = resolve_model(f"tiny-{family}")
-    config = config or {}
-    pipe = build_pipeline(spec, dtype=torch_dtype(config), device="cpu")
-    apply_config(pipe, config, Target(device="cpu", family=spec.family))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def generate(pipe, family: str, steps: int = 2):
-    """One short call at the tiny model's resolution; returns the numpy images."""
+def pytest_collection_modifyitems(config, items):
+    # Every test under tests/gpu is a GPU test: marked, and skipped cleanly where CUDA is absent.
     import torch
 
-    from autotune.models import resolve_model
-
-    w = resolve_model(f"tiny-{family}").default_workload
-    out = pipe(
-        prompt="a red cube", height=w.height, width=w.width, num_inference_steps=steps,
-        generator=torch.Generator("cpu").manual_seed(0), output_type="np",
-    )
-    return out.images
-
-
-def run_cli(*args, cwd=None, timeout=600):
-    """`autotune ARGS` as a user runs it: a real child process."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "autotune", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
-    )
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import optuna
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 
 # A small space on tiny-sd15 so that end-to-end runs stay short: 8 configurations.
 SMALL_SPACE = "knobs:\n  dtype: [float32, bfloat16]\n  channels_last: [false, true]\n  attention: [sdpa, sliced]\n"

@@ -6,7 +6,7 @@ import torch
 from diffusers.models.attention_processor import FusedAttnProcessor2_0, SlicedAttnProcessor
 
 from autotune.knobs import CATALOGUE, Target, apply_config, baseline
-from conftest import build_tiny, generate
+from helpers import build_tiny, generate
 
 CPU = Target(device="cpu", family="sdxl")
 

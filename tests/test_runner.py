@@ -1,5 +1,6 @@
-"""Trials in real child processes: measured, timed out, crashed, failed, classified."""
+"""Trials in real child processes: measured, timed out, crashed, failed, classified; both launchers."""
 
+import os
 import signal
 
 import psutil
@@ -8,6 +9,8 @@ import torch
 
 from autotune import runner, worker
 from autotune.models import resolve_model
+
+LAUNCHERS = pytest.mark.parametrize("launcher", runner.LAUNCHERS)
 
 
 def request(config=None, family="sd15", **extra):
@@ -23,42 +26,67 @@ def request(config=None, family="sd15", **extra):
     }
 
 
-def test_a_trial_measures_latency_memory_and_cold_start(tmp_path):
-    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300)
+def trial_processes():
+    """Our descendants that lead a process group: trials (the fork server does not lead one)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if os.getpgid(child.pid) == child.pid:
+                out.append(child)
+        except ProcessLookupError:
+            pass
+    return out
+
+
+@LAUNCHERS
+def test_a_trial_measures_latency_memory_and_cold_start(tmp_path, launcher):
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher=launcher)
     assert result["status"] == worker.OK, result.get("error")
+    assert result["launcher"] == launcher
     assert len(result["latencies_s"]) == 2 and result["latency_s"] > 0
     assert result["memory_source"] == "rss"
-    assert result["peak_memory_bytes"] > 100 * 2**20  # a process that imported torch
+    assert result["peak_memory_bytes"] > 100 * 2**20  # a process holding torch
     assert result["cold_start_s"] >= result["first_call_s"] > 0
     assert result["wall_s"] >= result["cold_start_s"]
     assert result["threads"] >= 1
 
 
-def test_a_trial_over_its_time_limit_is_killed(tmp_path):
-    result = runner.run_trial(request(), tmp_path / "t", timeout_s=1.0, tick_every_s=0.2)
+@LAUNCHERS
+def test_a_trial_over_its_time_limit_is_killed(tmp_path, launcher):
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=1.0, tick_every_s=0.2, launcher=launcher)
     assert result["status"] == worker.TIMEOUT
-    assert not psutil.Process().children(recursive=True)
+    assert not trial_processes()
 
 
-def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path):
-    def crash_children():
-        for child in psutil.Process().children(recursive=True):
+@LAUNCHERS
+def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path, launcher):
+    def crash_trials():
+        for child in trial_processes():
             child.send_signal(signal.SIGSEGV)
 
-    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, tick=crash_children, tick_every_s=0.5)
+    result = runner.run_trial(
+        request(), tmp_path / "t", timeout_s=300, tick=crash_trials, tick_every_s=0.5, launcher=launcher
+    )
     assert result["status"] == worker.CRASHED
     assert result["signal"] == "SIGSEGV"
 
 
-def test_an_exception_in_the_child_comes_back_as_a_result(tmp_path):
+@LAUNCHERS
+def test_an_exception_in_the_child_comes_back_as_a_result(tmp_path, launcher):
     # A pipeline directory that vanished: loading raises inside the child, which reports it.
     req = request()
     req["model"] = {**req["model"], "kind": "pretrained", "source": str(tmp_path / "gone")}
-    result = runner.run_trial(req, tmp_path / "t", timeout_s=300)
+    result = runner.run_trial(req, tmp_path / "t", timeout_s=300, launcher=launcher)
     assert result["status"] == worker.ERROR
     assert result["error"].startswith("load:")
     assert "Traceback" in result["traceback"]
-    assert result["peak_memory_bytes"] > 0
+
+
+def test_forked_trials_start_without_paying_the_imports(tmp_path):
+    runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")  # server up
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="fork")
+    assert result["status"] == worker.OK
+    assert result["import_s"] < 0.5
 
 
 @pytest.mark.parametrize(

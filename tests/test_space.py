@@ -108,3 +108,14 @@ def test_bad_space_files_give_one_clear_line(tmp_path, text, message):
 def test_every_knob_has_its_default_among_its_choices():
     for knob in CATALOGUE.values():
         assert knob.default in knob.choices
+
+
+def test_tiny_models_get_their_own_space_without_compile():
+    from autotune.models import resolve_model
+
+    for family in ("sdxl", "sd15", "sd3", "flux"):
+        space = SearchSpace.for_model(resolve_model(f"tiny-{family}"))
+        assert space.source.endswith(f"tiny-{family}.yaml")
+        names = [d.name for d in space.dimensions]
+        assert "compile" not in names and "dtype" in names
+    assert SearchSpace.for_model(resolve_model("sdxl")).source.endswith("sdxl.yaml")

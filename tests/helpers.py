@@ -1,0 +1,44 @@
+"""Shared test helpers: tiny offline pipelines with a configuration applied, the CLI in a child."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_tiny(family: str, config: dict | None = None):
+    """A tiny pipeline of `family` on the CPU, in the state `config` describes."""
+    from autotune.knobs import Target, apply_config, torch_dtype
+    from autotune.models import build_pipeline, resolve_model
+
+    spec = resolve_model(f"tiny-{family}")
+    config = config or {}
+    pipe = build_pipeline(spec, dtype=torch_dtype(config), device="cpu")
+    apply_config(pipe, config, Target(device="cpu", family=spec.family))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, family: str, steps: int = 2):
+    """One short call at the tiny model's resolution; returns the numpy images."""
+    import torch
+
+    from autotune.models import resolve_model
+
+    w = resolve_model(f"tiny-{family}").default_workload
+    out = pipe(
+        prompt="a red cube", height=w.height, width=w.width, num_inference_steps=steps,
+        generator=torch.Generator("cpu").manual_seed(0), output_type="np",
+    )
+    return out.images
+
+
+def run_cli(*args, cwd=None, timeout=600):
+    """`autotune ARGS` as a user runs it: a real child process."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
+    )
