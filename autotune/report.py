@@ -109,8 +109,9 @@ def print_summary(out: Console, outcome, budget_bytes: int) -> None:
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)}")
-    for col in ("", "latency", "peak memory", "cold start", "speedup", "configuration"):
-        table.add_column(col)
+    for col in ("", "latency", "peak memory", "cold start", "speedup"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("configuration", overflow="fold")
     base = outcome.baseline
     rows = [("baseline", base)] + ([("best", outcome.best)] if outcome.best else [])
     for label, rec in rows:
