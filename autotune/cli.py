@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
-PROFILE_COMMANDS = ("show",)
+PROFILE_COMMANDS = ("show", "verify")
 DEFAULT_STORAGE_DIR = Path("autotune-studies")
 
 
@@ -64,7 +64,7 @@ def tune_parser() -> argparse.ArgumentParser:
         prog="autotune",
         description="Find the fastest diffusers configuration that fits a memory budget, by "
         "measuring each candidate in its own process; write it as a profile production loads.",
-        epilog="Other commands: autotune show PROFILE",
+        epilog="Other commands: autotune show PROFILE | autotune verify PROFILE",
     )
     m = p.add_argument_group("model and workload (defaults come from the model)")
     m.add_argument("--model", default="tiny-sdxl", help="an alias (sdxl, sd15, sd3, flux-dev, "
@@ -250,6 +250,10 @@ def _profile_command(argv: list[str]) -> int:
     command = argv[0]
     p = _Parser(prog=f"autotune {command}")
     p.add_argument("profile", type=Path)
+    if command == "verify":
+        p.add_argument("--device", help="where to replay it (default: where it was measured)")
+        p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls")
+        p.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS")
     args = p.parse_args(argv[1:])
     import warnings
 
@@ -259,7 +263,40 @@ def _profile_command(argv: list[str]) -> int:
     console = report.console()
     for w in caught:
         console.print(f"warning: {w.message}")
-    report.print_profile(console, profile)
+    if command == "show":
+        report.print_profile(console, profile)
+        return 0
+    return _verify(console, profile, args)
+
+
+def _verify(console, profile, args) -> int:
+    """Replay a profile in a fresh process, as production loads it, and compare with the record."""
+    import tempfile
+
+    from . import report, runner
+
+    device = args.device or profile.data["machine"]["device"]
+    request = {
+        "profile": str(args.profile.resolve()),
+        "model": profile.data["model"],
+        "config": profile.config,
+        "workload": profile.data["workload"],
+        "device": device,
+        "repeats": args.repeats,
+        "warmup": 1,
+    }
+    with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
+        # spawn: a fresh interpreter, as a serving process starts
+        result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")
+    fits = report.print_verification(console, profile, result)
+    if result["status"] != "ok":
+        print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    if not fits:
+        print("autotune: error: the replayed peak memory is above the profile's budget",
+              file=sys.stderr)
+        return EXIT_NO_FIT
     return 0
 
 

@@ -130,6 +130,29 @@ def print_summary(out: Console, outcome, budget_bytes: int) -> None:
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
 
 
+def print_verification(out: Console, profile, result: dict) -> bool:
+    """Recorded against replayed figures; True when the replay stayed within the budget."""
+    best, budget = profile.best, profile.budget_bytes
+    table = Table(title=f"replay of {profile.path} ({result.get('status')})")
+    for col in ("", "recorded", "replayed", "replayed / recorded"):
+        table.add_column(col)
+    for label, key, fmt in (
+        ("latency (median)", "latency_s", lambda v: f"{v:.3f} s"),
+        ("peak memory", "peak_memory_bytes", format_size),
+        ("cold start", "cold_start_s", lambda v: f"{v:.1f} s"),
+    ):
+        old, new = best.get(key), result.get(key)
+        ratio = f"{new / old:.3f}" if old and new else "-"
+        table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
+    out.print(table)
+    peak = result.get("peak_memory_bytes") or 0
+    fits = peak <= budget
+    out.print(f"budget {format_size(budget)}: replayed peak {format_size(peak)} "
+              + ("fits" if fits else "DOES NOT FIT")
+              + f" ({format_size(budget - peak)} left)" * fits)
+    return fits
+
+
 def print_profile(out: Console, profile) -> None:
     d = profile.data
     m, w = d["model"], d["workload"]

@@ -137,6 +137,12 @@ def make_sampler(seed: int | None) -> optuna.samplers.BaseSampler:
         )
 
 
+def _heartbeat(storage, trial) -> None:
+    # RDB storages can record heartbeats (optuna keeps BaseHeartbeat private); journals cannot.
+    if hasattr(storage, "record_heartbeat"):
+        storage.record_heartbeat(trial._trial_id)
+
+
 def _fail_stale_trials(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -258,6 +264,7 @@ def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None
             # loop records them itself (runner's tick), which is what the warning asks for.
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask()
+        _heartbeat(storage, trial)  # at once: a parent killed before its first tick leaves a stale trial
         config = space.suggest(trial)
         key = config_key(config)
         trial.set_user_attr("config", config)
@@ -295,7 +302,7 @@ def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None
                 request,
                 req.workdir / f"trial-{trial.number:05d}",
                 timeout_s=req.trial_timeout_s,
-                tick=lambda: storage.record_heartbeat(trial._trial_id),
+                tick=lambda: _heartbeat(storage, trial),
                 tick_every_s=1.0,
                 launcher=req.launcher,
             )

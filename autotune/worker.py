@@ -79,10 +79,16 @@ def run(request: dict, started: float = _T0) -> dict:
         getattr(diffusers, spec.pipeline_class)
         result["import_s"] = time.perf_counter() - started
         t_start = time.perf_counter()
-        # Offload hooks place the weights themselves: build on the CPU for them.
-        build_device = device if config.get("offload", "none") == "none" else "cpu"
-        pipe = build_pipeline(spec, dtype=torch_dtype(config), device=build_device)
-        apply_config(pipe, config, target)
+        if request.get("profile"):
+            # `autotune verify`: exactly what production runs.
+            from .profile import load_profile
+
+            pipe = load_profile(request["profile"], check_fingerprint=False).load_pipeline(device=device)
+        else:
+            # Offload hooks place the weights themselves: build on the CPU for them.
+            build_device = device if config.get("offload", "none") == "none" else "cpu"
+            pipe = build_pipeline(spec, dtype=torch_dtype(config), device=build_device)
+            apply_config(pipe, config, target)
         pipe.set_progress_bar_config(disable=True)
         result["load_s"] = time.perf_counter() - t_start
 

@@ -1,15 +1,18 @@
 """The command line as a user runs it: real child processes, a real SQLite study, real trials."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import optuna
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import ROOT, run_cli
 
 # A small space on tiny-sd15 so that end-to-end runs stay short: 8 configurations.
 SMALL_SPACE = "knobs:\n  dtype: [float32, bfloat16]\n  channels_last: [false, true]\n  attention: [sdpa, sliced]\n"
@@ -105,6 +108,16 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     shown = cli("show", "tiny-sd15-8GB.yaml")
     assert shown.returncode == 0 and "feasible Pareto front" in shown.stdout
 
+    # Replayed in a fresh process through Profile.load_pipeline, as production runs it.
+    replay = cli("verify", "tiny-sd15-8GB.yaml", "--repeats", "1")
+    assert replay.returncode == 0, replay.stderr
+    assert "replayed" in replay.stdout and "fits" in replay.stdout
+    tight = profile | {"budget": {"memory_bytes": 2**20}}
+    (tmp_path / "tight.yaml").write_text(yaml.safe_dump(tight, sort_keys=False))
+    replay = cli("verify", "tight.yaml", "--repeats", "1")
+    assert replay.returncode == 3
+    assert "above the profile's budget" in one_line_error(replay)
+
 
 @pytest.mark.slow
 def test_an_impossible_budget_ends_with_the_smallest_peak_and_no_profile(cli, tmp_path):
@@ -170,3 +183,66 @@ def test_a_written_profile_reproduces_its_state_in_a_fresh_process(cli, tmp_path
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     state = state_in_fresh_process(path)
     assert state == {**state, "dtype": "bfloat16", "channels_last": True, "sliced": True, "compiled": True, "finite": True}
+
+
+def start_cli(tmp_path, *args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_trial_dir(tmp_path, number, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(tmp_path.glob(f"autotune-studies/trials/*/trial-{number:05d}/request.json")):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"trial {number} never started")
+
+
+def all_trials(tmp_path):
+    url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
+    (summary,) = optuna.get_all_study_summaries(url)
+    return optuna.load_study(study_name=summary.study_name, storage=url).trials
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3"]
+    proc = start_cli(tmp_path, *args)
+    wait_for_trial_dir(tmp_path, 1)  # trial 0 measured, trial 1 running
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "run the same command to resume" in out and "Traceback" not in out
+    states = [t.state for t in all_trials(tmp_path)]
+    assert states[0] == optuna.trial.TrialState.COMPLETE
+    assert optuna.trial.TrialState.FAIL in states  # the interrupted one, queued again
+
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(study_trials(tmp_path)) == 3
+
+
+@pytest.mark.slow
+def test_a_killed_parent_leaves_a_trial_that_the_next_run_retries(tmp_path):
+    from autotune.study import GRACE_S
+
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3"]
+    proc = start_cli(tmp_path, *args)
+    wait_for_trial_dir(tmp_path, 1)
+    proc.kill()  # SIGKILL: no handler runs, trial 1 stays RUNNING in the storage
+    proc.communicate(timeout=60)
+    assert all_trials(tmp_path)[1].state == optuna.trial.TrialState.RUNNING
+    time.sleep(GRACE_S + 1)  # its heartbeat goes stale
+
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = all_trials(tmp_path)
+    assert trials[1].state == optuna.trial.TrialState.FAIL
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == 1]
+    assert retried and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert retried[0].params == trials[1].params
+    assert len(study_trials(tmp_path)) == 3
