@@ -1,0 +1,58 @@
+"""Per-trial overhead: the spawn launcher against the fork server, in one run.
+
+Overhead of a trial = its wall time (as the parent sees it) minus the time spent inside timed
+pipeline calls (warm-up and repeats). Both launchers run the same tiny-sdxl baseline trial, in
+alternation so that machine noise hits both alike.
+
+    python benchmarks/trial_overhead.py --trials 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from autotune import runner
+from autotune.knobs import baseline
+from autotune.models import resolve_model
+
+
+def overhead(result: dict) -> tuple[float, float]:
+    inside = result["first_call_s"] + sum(result["latencies_s"])  # warmup=1: the first call
+    return result["wall_s"] - inside, result["wall_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-sdxl")
+    parser.add_argument("--trials", type=int, default=5, help="trials per launcher")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    spec = resolve_model(args.model)
+    request = {"model": spec.to_dict(), "config": baseline(), "workload": spec.default_workload.to_dict(),
+               "device": "cpu", "repeats": args.repeats, "warmup": 1}
+    rows = {launcher: [] for launcher in runner.LAUNCHERS}
+    with tempfile.TemporaryDirectory() as tmp:
+        runner.run_trial(request, Path(tmp) / "server-start", 600, launcher="fork")  # not counted
+        for i in range(args.trials):
+            for launcher in runner.LAUNCHERS:
+                result = runner.run_trial(request, Path(tmp) / f"{launcher}-{i}", 600, launcher=launcher)
+                assert result["status"] == "ok", result
+                rows[launcher].append(overhead(result))
+
+    print(f"{args.model}, {args.trials} trials per launcher, {args.repeats} timed calls + 1 warm-up each")
+    print(f"{'launcher':8} {'overhead s (median)':>20} {'wall s (median)':>16} {'overhead share':>15}")
+    medians = {}
+    for launcher, values in rows.items():
+        over = statistics.median(v[0] for v in values)
+        wall = statistics.median(v[1] for v in values)
+        medians[launcher] = over
+        print(f"{launcher:8} {over:20.2f} {wall:16.2f} {over / wall:14.0%}")
+    print(f"overhead ratio spawn / fork: {medians['spawn'] / medians['fork']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
