@@ -178,7 +178,7 @@ def _tune(args) -> int:
 
     from . import fingerprint, report
     from . import profile as profile_io
-    from .errors import AutotuneError, SpaceError
+    from .errors import SpaceError
     from .knobs import Target
     from .models import resolve_model
     from .runner import default_launcher

@@ -20,7 +20,7 @@ import yaml
 
 from . import fingerprint
 from .errors import ProfileError
-from .knobs import Config, Target, apply_config, complete, torch_dtype
+from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
 from .workload import Workload
 
@@ -156,13 +156,7 @@ class Profile:
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did."""
-        from .models import build_pipeline
-
-        target = self._target(device)
-        config = complete(self.choose(budget_bytes)["config"])
-        build_device = target.device if config["offload"] == "none" else "cpu"
-        pipe = build_pipeline(self.model, dtype=torch_dtype(config), device=build_device)
-        return apply_config(pipe, config, target)
+        return build_configured(self.model, self.choose(budget_bytes)["config"], self._target(device))
 
     def mismatches(self) -> list[str]:
         machine = self.data["machine"]

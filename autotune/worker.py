@@ -54,9 +54,9 @@ def _finite(output) -> bool:
 def run(request: dict, started: float = _T0) -> dict:
     import torch
 
-    from .knobs import Target, apply_config, torch_dtype
+    from .knobs import Target, build_configured
     from .measure import MemoryTracker, summarize, timed_call
-    from .models import ModelSpec, build_pipeline
+    from .models import ModelSpec
     from .workload import Workload
 
     threads = request.get("threads")
@@ -85,10 +85,7 @@ def run(request: dict, started: float = _T0) -> dict:
 
             pipe = load_profile(request["profile"], check_fingerprint=False).load_pipeline(device=device)
         else:
-            # Offload hooks place the weights themselves: build on the CPU for them.
-            build_device = device if config.get("offload", "none") == "none" else "cpu"
-            pipe = build_pipeline(spec, dtype=torch_dtype(config), device=build_device)
-            apply_config(pipe, config, target)
+            pipe = build_configured(spec, config, target)
         pipe.set_progress_bar_config(disable=True)
         result["load_s"] = time.perf_counter() - t_start
 

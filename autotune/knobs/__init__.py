@@ -96,6 +96,18 @@ def apply_config(pipe, config: Config, target: Target):
     return pipe
 
 
+def build_configured(spec, config: Config, target: Target):
+    """Build `spec`'s pipeline and put it into the state `config` describes: the one sequence
+    that trial workers and production (`Profile.load_pipeline`) both run."""
+    from ..models import build_pipeline
+
+    config = complete(config)
+    # Offload hooks place the weights themselves: build on the CPU for them.
+    build_device = target.device if places_on_device(config["offload"]) else "cpu"
+    pipe = build_pipeline(spec, dtype=DTYPES[config["dtype"]], device=build_device)
+    return apply_config(pipe, config, target)
+
+
 __all__ = [
     "APPLY_ORDER",
     "CATALOGUE",
@@ -105,6 +117,7 @@ __all__ = [
     "Target",
     "apply_config",
     "baseline",
+    "build_configured",
     "complete",
     "conflict",
     "matches",
