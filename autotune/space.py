@@ -72,10 +72,6 @@ class SearchSpace:
                 return cls.from_file(path)
         raise SpaceError(f"no shipped search space for {spec.name}")
 
-    @classmethod
-    def for_family(cls, family: str) -> "SearchSpace":
-        path = SHIPPED_DIR / f"{family}.yaml"
-        return cls.from_file(path if path.exists() else SHIPPED_DIR / "default.yaml")
 
     # ---- this machine --------------------------------------------------------------------------
     def restrict(self, target: Target) -> "SearchSpace":

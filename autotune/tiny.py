@@ -181,7 +181,7 @@ def _sdxl():
         sample_size=_LATENT_SIZE,
         # Wide enough (70M parameters) that the UNet's matmuls and convolutions, not Python
         # overhead, set the time: bf16 + channels_last then runs it 1.76x faster than float32 on an
-        # AMX CPU (203 vs 341 ms a forward), as at full size; at (32, 64, 128) bf16 was slower.
+        # AMX CPU (194 vs 341 ms a forward), as at full size; at (32, 64, 128) bf16 was slower.
         block_out_channels=(96, 192, 384),
         layers_per_block=2,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),

@@ -10,13 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build_tiny(family: str, config: dict | None = None):
     """A tiny pipeline of `family` on the CPU, in the state `config` describes."""
-    from autotune.knobs import Target, apply_config, torch_dtype
-    from autotune.models import build_pipeline, resolve_model
+    from autotune.knobs import Target, build_configured
+    from autotune.models import resolve_model
 
     spec = resolve_model(f"tiny-{family}")
-    config = config or {}
-    pipe = build_pipeline(spec, dtype=torch_dtype(config), device="cpu")
-    apply_config(pipe, config, Target(device="cpu", family=spec.family))
+    pipe = build_configured(spec, config or {}, Target(device="cpu", family=spec.family))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

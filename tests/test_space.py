@@ -25,12 +25,12 @@ def test_shipped_spaces_load_and_hold_the_baseline(family):
 
 def test_transformer_families_do_not_search_attention_slicing():
     for family in ("sd3", "flux"):
-        names = [d.name for d in SearchSpace.for_family(family).dimensions]
+        names = [d.name for d in SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").dimensions]
         assert "attention" not in names
 
 
 def test_restrict_drops_what_cannot_run_here_with_a_reason():
-    space = SearchSpace.for_family("sdxl").restrict(CPU_SDXL)
+    space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml").restrict(CPU_SDXL)
     dropped = {(d.knob, d.value): d.reason for d in space.dropped}
     assert "accelerator" in dropped[("offload", "model")]
     assert ("offload", "sequential") in dropped
@@ -77,7 +77,7 @@ def test_conditional_knob_is_searched_only_when_active(tmp_path):
 
 
 def test_known_conflicts_are_forbidden():
-    space = SearchSpace.for_family("sdxl")
+    space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml")
     config = {**baseline(), "fuse_qkv": True, "attention": "sliced"}
     assert "undoing fuse_qkv" in space.forbidden(config)
     assert all(not (c["fuse_qkv"] and c["attention"] != "sdpa") for c in space.configs())

@@ -81,11 +81,6 @@ def complete(config: Config) -> Config:
     return full
 
 
-def torch_dtype(config: Config):
-    """The dtype to load a pipeline in for this config."""
-    return DTYPES[complete(config)["dtype"]]
-
-
 def apply_config(pipe, config: Config, target: Target):
     """Put a freshly loaded pipeline into the state that `config` describes, on `target.device`."""
     config = complete(config)
@@ -121,5 +116,4 @@ __all__ = [
     "complete",
     "conflict",
     "matches",
-    "torch_dtype",
 ]

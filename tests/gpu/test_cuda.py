@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from autotune import runner, worker
-from autotune.knobs import Target, apply_config, torch_dtype
+from autotune.knobs import Target, build_configured
 from autotune.measure import MemoryTracker
-from autotune.models import build_pipeline, resolve_model
+from autotune.models import resolve_model
 
 GiB = 2**30
 
@@ -30,9 +30,8 @@ def test_nvml_peak_sees_an_allocation_and_the_context():
 
 def run_on_cuda(config, family="sdxl"):
     spec = resolve_model(f"tiny-{family}")
-    build_device = "cuda" if config.get("offload", "none") == "none" else "cpu"
-    pipe = build_pipeline(spec, dtype=torch_dtype(config), device=build_device)
-    apply_config(pipe, config, Target(device="cuda", family=spec.family, capability=torch.cuda.get_device_capability()))
+    target = Target(device="cuda", family=spec.family, capability=torch.cuda.get_device_capability())
+    pipe = build_configured(spec, config, target)
     w = spec.default_workload
     out = pipe(prompt="a cube", height=w.height, width=w.width, num_inference_steps=2, output_type="np")
     return pipe, out.images
