@@ -176,7 +176,7 @@ def _study_name(spec, workload, budget, device, space) -> str:
 def _tune(args) -> int:
     from dataclasses import replace
 
-    from . import fingerprint, report
+    from . import console, fingerprint
     from . import profile as profile_io
     from .errors import SpaceError
     from .knobs import Target
@@ -198,7 +198,7 @@ def _tune(args) -> int:
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
     space = space.restrict(target)
     if args.list_knobs:
-        report.print_space(space, target)
+        console.print_space(space, target)
         return 0
 
     budget = args.budget or fingerprint.device_memory_bytes(device)
@@ -214,16 +214,16 @@ def _tune(args) -> int:
         warmup=args.warmup, threads=args.threads, seed=args.sampler_seed,
         launcher=args.launcher or default_launcher(device),
     )
-    console = report.console()
-    report.print_header(console, request, space)
+    out = console.terminal()
+    console.print_header(out, request, space)
     try:
-        with report.TrialProgress(console, request.trials) as progress:
+        with console.TrialProgress(out, request.trials) as progress:
             outcome = tune(request, on_trial=progress.update)
     except KeyboardInterrupt:
-        console.print(f"interrupted: the measured trials are kept in {storage} (study "
-                      f"{study_name}); run the same command to resume")
+        out.print(f"interrupted: the measured trials are kept in {storage} (study "
+                  f"{study_name}); run the same command to resume")
         return EXIT_INTERRUPTED
-    report.print_summary(console, outcome, budget)
+    console.print_summary(out, outcome, budget)
     if outcome.best is None:
         smallest = outcome.smallest_peak_bytes
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
@@ -233,7 +233,7 @@ def _tune(args) -> int:
         return EXIT_NO_FIT
     document = profile_io.build(request, outcome, storage_label=storage)
     path = profile_io.save(document, output)
-    console.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
+    out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
     return 0
 
 
@@ -244,7 +244,7 @@ def _default_storage() -> str:
 
 # ---- profiles ------------------------------------------------------------------------------------
 def _profile_command(argv: list[str]) -> int:
-    from . import report
+    from . import console
     from .profile import load_profile
 
     command = argv[0]
@@ -260,20 +260,20 @@ def _profile_command(argv: list[str]) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         profile = load_profile(args.profile)
-    console = report.console()
+    out = console.terminal()
     for w in caught:
-        console.print(f"warning: {w.message}")
+        out.print(f"warning: {w.message}")
     if command == "show":
-        report.print_profile(console, profile)
+        console.print_profile(out, profile)
         return 0
-    return _verify(console, profile, args)
+    return _verify(out, profile, args)
 
 
-def _verify(console, profile, args) -> int:
+def _verify(out, profile, args) -> int:
     """Replay a profile in a fresh process, as production loads it, and compare with the record."""
     import tempfile
 
-    from . import report, runner
+    from . import console, runner
 
     device = args.device or profile.data["machine"]["device"]
     request = {
@@ -288,7 +288,7 @@ def _verify(console, profile, args) -> int:
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts
         result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")
-    fits = report.print_verification(console, profile, result)
+    fits = console.print_verification(out, profile, result)
     if result["status"] != "ok":
         print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",
               file=sys.stderr)

@@ -12,7 +12,7 @@ from .knobs import CATALOGUE, baseline
 from .sizes import format_size
 
 
-def console() -> Console:
+def terminal() -> Console:
     return Console(stderr=False, highlight=False, soft_wrap=True)
 
 
@@ -24,7 +24,7 @@ def config_changes(config: dict) -> str:
 
 
 def print_space(space, target, out: Console | None = None) -> None:
-    out = out or console()
+    out = out or terminal()
     table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
     table.add_column("knob")
     table.add_column("searched")
