@@ -103,6 +103,8 @@ def violation(result: dict, budget_bytes: int) -> float:
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
     killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
+    if url == "memory":  # nothing kept: for replays and tests of the search itself
+        return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 
@@ -214,9 +216,33 @@ def _count_by(values) -> dict:
     return counts
 
 
-def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None) -> StudyOutcome:
+# How a trial is measured: (worker request, trial directory, heartbeat tick) -> worker result.
+# The study measures in a child process; benchmarks/search_efficiency.py replays a stored table.
+Measure = Callable[[dict, Path, Callable[[], None]], dict]
+
+
+def measure_in_child(req: TuneRequest) -> Measure:
+    def measure(request: dict, trial_dir: Path, tick: Callable[[], None]) -> dict:
+        return runner.run_trial(
+            request,
+            trial_dir,
+            timeout_s=req.trial_timeout_s,
+            tick=tick,
+            tick_every_s=1.0,
+            launcher=req.launcher,
+        )
+
+    return measure
+
+
+def tune(
+    req: TuneRequest,
+    on_trial: Callable[[TrialRecord], None] | None = None,
+    measure: Measure | None = None,
+) -> StudyOutcome:
     """Run the study until it holds `req.trials` measured trials, `req.timeout_s` has passed, or
     the space is spent. Resumable: the same request continues a study where it stopped."""
+    measure = measure or measure_in_child(req)
     study = load_study(req.storage, req.study_name, req.seed)
     study.set_user_attr(
         "request",
@@ -298,14 +324,8 @@ def tune(req: TuneRequest, on_trial: Callable[[TrialRecord], None] | None = None
             "threads": req.threads,
         }
         try:
-            result = runner.run_trial(
-                request,
-                req.workdir / f"trial-{trial.number:05d}",
-                timeout_s=req.trial_timeout_s,
-                tick=lambda: _heartbeat(storage, trial),
-                tick_every_s=1.0,
-                launcher=req.launcher,
-            )
+            result = measure(request, req.workdir / f"trial-{trial.number:05d}",
+                             lambda: _heartbeat(storage, trial))
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue
             # its config again, so the same command resumes by measuring it first.
