@@ -1,4 +1,5 @@
-"""The command line: `autotune --model sdxl --vram 8GB`, and `autotune show|verify PROFILE`.
+"""The command line: `autotune --model sdxl --vram 8GB`, `autotune show|verify PROFILE`, and
+`autotune report ... --out DIR` (report.py: charts comparing studies).
 
 Every error a user can cause ends as one line on stderr and a non-zero exit code:
 1 bad input or an unusable file, 2 bad usage, 3 nothing fits the budget, 130 interrupted.
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
+        if argv and argv[0] == "report":
+            from .report import main as report_main
+
+            return report_main(argv[1:])
         return _tune(tune_parser().parse_args(argv))
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)

@@ -1,0 +1,829 @@
+"""Compare studies: charts, a table and an HTML page from several studies or profiles.
+
+    from autotune import report
+    studies = report.load("A@sqlite:///autotune-studies/studies.db tiny-sdxl-2GB.yaml")
+    report.plot_fronts(studies)            # a matplotlib Figure: feasible Pareto fronts, budgets
+    report.write_report(studies, "out/")   # every chart as PNG, and index.html listing them
+
+A source is `NAME@STORAGE_URL` (one study), a bare storage URL (every study in it), or a profile
+file (its best, baseline and front; its study's trials too when the storage it names is found).
+The notebook notebooks/compare_studies.ipynb calls these functions; so does `autotune report`.
+
+Charts are `matplotlib.figure.Figure` objects made without pyplot: no global state, no GUI
+backend, and each drawn artist carries a gid ("front:LABEL", "trial:LABEL:NUMBER:CLASS", ...) so
+scripts and tests can read back what was drawn.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from .errors import AutotuneError
+
+DEFAULT_STORAGE = "sqlite:///autotune-studies/studies.db"
+MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
+DPI = 100
+
+# Timeline classes, in legend order: how each trial ended.
+CLASS_COLORS = {
+    "ok": "#2ca02c",
+    "over budget": "#ff7f0e",
+    "out_of_memory": "#d62728",
+    "unsupported": "#7f7f7f",
+    "compile_error": "#9467bd",
+    "nan_output": "#8c564b",
+    "error": "#800000",
+    "timeout": "#e377c2",
+    "crashed": "#000000",
+    "interrupted": "#555555",
+    "duplicate": "#c7c7c7",
+    "forbidden": "#dbdb8d",
+}
+FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "error", "timeout",
+            "crashed", "interrupted")
+
+
+class ReportError(AutotuneError):
+    """A source cannot be read: a missing storage, an unknown study, a bad profile."""
+
+
+# ---- the data -----------------------------------------------------------------------------------
+@dataclass
+class Point:
+    """One measurement: a configuration's latency and peak memory."""
+
+    trial: int | None
+    config: dict
+    latency_s: float | None
+    peak_memory_bytes: int | None
+    status: str = "ok"
+    feasible: bool = True
+    baseline: bool = False
+    result: dict = field(default_factory=dict)
+
+
+@dataclass
+class Span:
+    """One trial on the timeline: seconds since the study's first trial started."""
+
+    trial: int
+    start_s: float
+    end_s: float
+    kind: str  # a CLASS_COLORS key
+
+
+@dataclass
+class StudyData:
+    label: str
+    name: str
+    storage: str | None
+    model: dict
+    workload: dict
+    device: str
+    budget_bytes: int | None
+    margin_bytes: int = 0
+    points: list[Point] = field(default_factory=list)  # measured trials (no duplicates)
+    front: list[Point] = field(default_factory=list)  # feasible Pareto front, by memory
+    best: Point | None = None
+    baseline: Point | None = None
+    timeline: list[Span] = field(default_factory=list)
+    source: str = "study"  # or "profile"
+    origin: str = ""  # the profile file's name, for a profile
+    image_root: Path | None = None  # where relative result["image"] paths start
+    notes: list[str] = field(default_factory=list)
+    _trials: list = field(default_factory=list, repr=False)  # measured optuna FrozenTrials
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best and self.baseline and self.baseline.latency_s and self.best.latency_s:
+            return self.baseline.latency_s / self.best.latency_s
+        return None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for span in self.timeline:
+            counts[span.kind] = counts.get(span.kind, 0) + 1
+        return counts
+
+
+def _point(record) -> Point:
+    return Point(
+        trial=record.number, config=record.config, latency_s=record.latency_s,
+        peak_memory_bytes=record.peak_memory_bytes, status=record.status,
+        feasible=record.feasible, baseline=record.baseline, result=record.result,
+    )
+
+
+def _profile_point(p: dict | None, baseline: bool = False) -> Point | None:
+    if not p:
+        return None
+    return Point(trial=p.get("trial"), config=p["config"], latency_s=p["latency_s"],
+                 peak_memory_bytes=p["peak_memory_bytes"], baseline=baseline, result=dict(p))
+
+
+def trial_class(frozen) -> str | None:
+    """How a trial ended, for the timeline; None for one still running or waiting."""
+    from optuna.trial import TrialState
+
+    if frozen.state == TrialState.PRUNED:
+        return "forbidden"
+    if frozen.state == TrialState.FAIL:
+        return "interrupted"
+    if frozen.state != TrialState.COMPLETE:
+        return None
+    attrs = frozen.user_attrs
+    if attrs.get("duplicate_of") is not None:
+        return "duplicate"
+    result = attrs.get("result")
+    if not result:
+        return "error"
+    if result["status"] == "ok":
+        return "ok" if attrs.get("violation", 0) <= 0 else "over budget"
+    return result["status"] if result["status"] in CLASS_COLORS else "error"
+
+
+def _timeline(trials) -> list[Span]:
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    if not starts:
+        return []
+    t0: datetime = min(starts)
+    spans = []
+    for t in trials:
+        kind = trial_class(t)
+        if kind is None or not t.datetime_start or not t.datetime_complete:
+            continue
+        spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(),
+                          (t.datetime_complete - t0).total_seconds(), kind))
+    return spans
+
+
+def storage_file(url: str) -> Path | None:
+    """The file behind a SQLite or journal storage URL (None for a server database)."""
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///"):])
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):])
+    return None
+
+
+def _open_storage(url: str):
+    from .study import open_storage
+
+    path = storage_file(url)
+    if path is not None and not path.is_file():
+        raise ReportError(f"storage {url}: no such file {path}")  # opening would create one
+    try:
+        return open_storage(url)
+    except Exception as exc:  # a URL SQLAlchemy cannot use, a file that is no database
+        raise ReportError(f"storage {url}: cannot open it ({type(exc).__name__}: {exc})") from None
+
+
+def load_study(url: str, name: str, label: str | None = None) -> StudyData:
+    """One study of a storage, as measured: points, front, best, baseline, timeline."""
+    import optuna
+
+    from .study import summarize
+
+    storage = _open_storage(url)
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        known = [s.study_name for s in storage.get_all_studies()]
+        raise ReportError(f"storage {url}: no study named '{name}' (it holds: "
+                          f"{', '.join(known) or 'none'})") from None
+    request = study.user_attrs.get("request", {})
+    outcome = summarize(study)
+    measured = {r.number for r in outcome.records}
+    trials = study.get_trials(deepcopy=False)
+    path = storage_file(url)
+    data = StudyData(
+        label=label or "", name=name, storage=url, model=request.get("model", {}),
+        workload=request.get("workload", {}), device=request.get("device", "?"),
+        budget_bytes=request.get("budget_bytes"), margin_bytes=request.get("margin_bytes") or 0,
+        points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
+        best=_point(outcome.best) if outcome.best else None,
+        baseline=_point(outcome.baseline) if outcome.baseline else None,
+        timeline=_timeline(trials),
+        image_root=path.resolve().parent if path else None,
+        _trials=[t for t in trials if t.number in measured],
+    )
+    if data.best is None:
+        data.notes.append(f"{name}: no measured configuration fits the budget")
+    return data
+
+
+def load_profile_source(path: str | Path, label: str | None = None) -> StudyData:
+    """A profile's best, baseline and front; the trials of its study when its storage is found
+    (relative SQLite and journal paths are tried from here, then from the profile's folder)."""
+    from .profile import load_profile
+
+    path = Path(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a profile from another machine is the point of comparing
+        profile = load_profile(path)
+    d = profile.data
+    study = d.get("study") or {}
+    data = StudyData(
+        label=label or "", name=study.get("name") or path.stem, storage=study.get("storage"),
+        model=d["model"], workload=d["workload"], device=d["machine"].get("device", "?"),
+        budget_bytes=d["budget"]["memory_bytes"], margin_bytes=d["budget"].get("margin_bytes") or 0,
+        front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
+        baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
+    )
+    url = _find_storage(study.get("storage"), path.parent)
+    if url and study.get("name"):
+        try:
+            measured = load_study(url, study["name"])
+        except ReportError as exc:
+            data.notes.append(f"{path.name}: trials not shown ({exc})")
+        else:
+            data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
+            data.image_root, data.storage = measured.image_root, url
+    else:
+        data.notes.append(f"{path.name}: its study storage {study.get('storage')} is not here: "
+                          "front and best from the profile only, no timeline or knob importance")
+    if not data.points:  # the profile's own points stand in for the measurements
+        data.points = [p for p in [data.baseline, *data.front] if p]
+    return data
+
+
+def _find_storage(url: str | None, profile_dir: Path) -> str | None:
+    if not url:
+        return None
+    path = storage_file(url)
+    if path is None:
+        return url  # a database server: try it
+    if path.is_file():
+        return url
+    if not path.is_absolute() and (profile_dir / path).is_file():
+        prefix = url[: len(url) - len(str(path))]
+        return prefix + str((profile_dir / path).resolve())
+    return None
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text or text.startswith("journal:")
+
+
+def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
+    """Studies to compare, from `sources`: a list, or one string of entries separated by spaces
+    or newlines; each `NAME@STORAGE_URL`, a storage URL (all its studies), or a profile path.
+    `studies` names studies in `storage` (default DEFAULT_STORAGE) besides."""
+    if isinstance(sources, str):
+        sources = sources.split()
+    sources = list(sources or [])
+    out: list[StudyData] = []
+    for name in studies or []:
+        sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
+                       f"{name}@{storage or DEFAULT_STORAGE}")
+    if storage and not studies:
+        sources.append(storage)
+    for entry in sources:
+        entry = str(entry)
+        name, _, url = entry.partition("@")
+        if url and _is_url(url):
+            out.append(load_study(url, name))
+        elif _is_url(entry):
+            names = [s.study_name for s in _open_storage(entry).get_all_studies()]
+            if not names:
+                raise ReportError(f"storage {entry}: it holds no study")
+            out.extend(load_study(entry, n) for n in names)
+        elif entry.endswith((".yaml", ".yml")) or Path(entry).is_file():
+            out.append(load_profile_source(entry))
+        else:
+            raise ReportError(f"'{entry}': expected NAME@STORAGE_URL, a storage URL "
+                              "(sqlite:///FILE, journal:FILE, ...) or a profile file")
+    if not out:
+        raise ReportError("nothing to compare: give studies (NAME@STORAGE_URL), a storage or profiles")
+    _label(out)
+    return out
+
+
+def _label(studies: list[StudyData]) -> None:
+    """Short, distinct labels: model, budget, device; the study name where those collide."""
+    from .sizes import short_size
+
+    for s in studies:
+        if not s.label:
+            budget = short_size(s.budget_bytes) if s.budget_bytes else "?"
+            s.label = f"{s.model.get('name', '?')} {budget} {s.device}"
+    seen: dict[str, int] = {}
+    for s in studies:
+        seen[s.label] = seen.get(s.label, 0) + 1
+    for s in studies:
+        if seen[s.label] > 1:
+            s.label = f"{s.label} [{s.origin if s.source == 'profile' else s.name}]"
+    labels = [s.label for s in studies]
+    for i, s in enumerate(studies):
+        if labels.count(s.label) > 1:
+            s.label = f"{s.label} #{i + 1}"
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+def memory_unit(values) -> tuple[str, int]:
+    """MiB below 2 GiB, GiB above: the unit the charts draw memory in."""
+    top = max([v for v in values if v] or [0])
+    return ("GiB", 2**30) if top >= 2 * 2**30 else ("MiB", 2**20)
+
+
+def best_under(study: StudyData, budget_bytes: int) -> Point | None:
+    """The fastest feasible measured point whose peak fits `budget_bytes`."""
+    fitting = [p for p in study.front if p.peak_memory_bytes <= budget_bytes]
+    return min(fitting, key=lambda p: p.latency_s, default=None)
+
+
+def _unbudgeted_front(points: list[Point]) -> list[Point]:
+    """The Pareto front of every successful measurement, the budget ignored."""
+    front: list[Point] = []
+    ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
+    for p in sorted(ok, key=lambda p: (p.peak_memory_bytes, p.latency_s)):
+        if not front or p.latency_s < front[-1].latency_s:
+            front.append(p)
+    return front
+
+
+def config_changes(config: dict) -> str:
+    from .console import config_changes as changes
+
+    return changes(config)
+
+
+def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str, float], str | None]:
+    """Which knobs move latency (or peak memory) most: optuna's PED-ANOVA evaluator over the
+    study's measured, successful, non-duplicate trials. Returns (importances, note); the note
+    says why there are none (too few trials, nothing varied, a profile without its study)."""
+    import optuna
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    key = {"latency": "latency_s", "memory": "peak_memory_bytes"}[target]
+    trials = [t for t in study._trials
+              if t.user_attrs.get("result", {}).get("status") == "ok"
+              and t.user_attrs["result"].get(key) is not None and t.params]
+    if not study._trials:
+        return {}, f"{study.label}: no trials to rank knobs from (a profile without its study)"
+    if len(trials) < MIN_IMPORTANCE_TRIALS:
+        return {}, (f"{study.label}: {len(trials)} successful trial(s); ranking knobs needs at "
+                    f"least {MIN_IMPORTANCE_TRIALS}")
+    varied = [name for name in trials[0].params if len({repr(t.params.get(name)) for t in trials}) > 1]
+    if not varied:
+        return {}, f"{study.label}: no knob took two values in the measured trials"
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        scratch = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize")
+        scratch.add_trials(trials)
+        # The top quantile must hold at least two trials for the comparison to mean anything.
+        quantile = min(0.5, max(0.1, 2 / len(trials)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = get_param_importances(
+                scratch, evaluator=PedAnovaImportanceEvaluator(target_quantile=quantile),
+                params=varied, target=lambda t: float(t.user_attrs["result"][key]),
+            )
+    finally:
+        optuna.logging.set_verbosity(level)
+    return dict(result), None
+
+
+def resolve_image(study: StudyData, point: Point) -> Path | None:
+    """The PNG a trial kept (result["image"]: absolute, or relative to the storage file's
+    folder), when the key is there and so is the file."""
+    image = (point.result or {}).get("image")
+    if not image:
+        return None
+    path = Path(image)
+    if not path.is_absolute() and study.image_root is not None:
+        path = study.image_root / path
+    return path if path.is_file() else None
+
+
+def chosen_images(study: StudyData) -> list[tuple[str, Path]]:
+    """(caption, PNG) for the baseline, the best and the rest of the front, where kept."""
+    by_trial = {p.trial: p for p in study.points}
+    out, seen = [], set()
+    chosen = [("baseline", study.baseline), ("best", study.best)] + [("front", p) for p in study.front]
+    for role, p in chosen:
+        if p is None or p.trial in seen:
+            continue
+        seen.add(p.trial)
+        measured = by_trial.get(p.trial, p)  # a profile's point carries no result: its trial does
+        path = resolve_image(study, measured)
+        if path:
+            caption = f"{role} (trial {p.trial}): {p.latency_s:.3f} s\n{config_changes(p.config)}"
+            out.append((caption, path))
+    return out
+
+
+# ---- charts -------------------------------------------------------------------------------------
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    return fig
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _size_text(size: int | None) -> str:
+    from .sizes import format_size
+
+    return format_size(size)
+
+
+def plot_fronts(studies: list[StudyData]):
+    """Latency against peak memory: every measured configuration (faint), each study's feasible
+    Pareto front (line), its best (star), baseline (square) and budget (dashed line)."""
+    fig = _figure(9, 5.5)
+    ax = fig.add_subplot()
+    values = [p.peak_memory_bytes for s in studies for p in s.points + s.front]
+    unit, scale = memory_unit(values)
+    top = max([v for v in values if v] or [1])
+    for s, color in zip(studies, _colors(len(studies))):
+        ok = [p for p in s.points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
+        if ok:
+            ax.scatter([p.peak_memory_bytes / scale for p in ok], [p.latency_s for p in ok],
+                       color=color, alpha=0.3, s=25, gid=f"points:{s.label}")
+        if s.front:
+            ax.plot([p.peak_memory_bytes / scale for p in s.front], [p.latency_s for p in s.front],
+                    color=color, marker="o", drawstyle="steps-post", label=f"{s.label}: front",
+                    gid=f"front:{s.label}")
+        if s.best:
+            ax.plot([s.best.peak_memory_bytes / scale], [s.best.latency_s], marker="*", ms=16,
+                    color=color, markeredgecolor="black", ls="none", gid=f"best:{s.label}")
+        if s.baseline and s.baseline.latency_s:
+            ax.plot([s.baseline.peak_memory_bytes / scale], [s.baseline.latency_s], marker="s",
+                    ms=9, mfc="none", color=color, mew=2, ls="none", gid=f"baseline:{s.label}")
+        if s.budget_bytes:
+            text = f"budget {_size_text(s.budget_bytes)}"
+            if s.budget_bytes <= 1.5 * top:
+                ax.axvline(s.budget_bytes / scale, color=color, ls="--", lw=1.5,
+                           label=f"{s.label}: {text}", gid=f"budget:{s.label}")
+            else:  # far right of every point: say so instead of squashing the chart
+                ax.annotate(f"{s.label}: {text} →", xy=(1, 0), xycoords="axes fraction",
+                            xytext=(-5, 5 + 14 * studies.index(s)), textcoords="offset points",
+                            ha="right", color=color, fontsize=8, gid=f"budget:{s.label}")
+    ax.plot([], [], marker="*", ms=12, color="grey", markeredgecolor="black", ls="none", label="best")
+    ax.plot([], [], marker="s", ms=8, mfc="none", color="grey", mew=2, ls="none", label="baseline")
+    ax.set_xlabel(f"peak memory ({unit})")
+    ax.set_ylabel("latency per call (s)")
+    ax.set_title("Feasible Pareto fronts: lower left is better")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def plot_best_vs_budget(studies: list[StudyData]):
+    """The best latency each study measured for any budget: solid within the study's budget,
+    dashed beyond it (over-budget measurements: what more memory would buy). A dot marks the
+    study's own budget, labelled with its speedup over its baseline."""
+    fig = _figure(9, 5)
+    ax = fig.add_subplot()
+    top = max([p.peak_memory_bytes for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
+    shown = [s.budget_bytes for s in studies if s.budget_bytes and s.budget_bytes <= 1.5 * top]
+    edge = max([top, *shown])  # budgets far beyond every point are not drawn; curves end here
+    unit, scale = memory_unit([edge])
+    for s, color in zip(studies, _colors(len(studies))):
+        if not s.front:
+            ax.plot([], [], color=color, label=f"{s.label}: nothing fits")
+            continue
+        right = min(s.budget_bytes or edge, edge)
+        xs = [p.peak_memory_bytes for p in s.front] + [max(right, s.front[-1].peak_memory_bytes)]
+        ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
+        ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
+                label=s.label, gid=f"budget-curve:{s.label}")
+        beyond = [p for p in _unbudgeted_front(s.points) if p.peak_memory_bytes > s.front[-1].peak_memory_bytes
+                  and p.latency_s < s.front[-1].latency_s]
+        if beyond:
+            start = s.front[-1]
+            bx = [start.peak_memory_bytes] + [p.peak_memory_bytes for p in beyond]
+            by = [start.latency_s] + [p.latency_s for p in beyond]
+            ax.plot([x / scale for x in bx], by, color=color, ls=":", drawstyle="steps-post",
+                    gid=f"over-budget:{s.label}")
+        if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
+            ax.plot([s.budget_bytes / scale], [s.best.latency_s], "o", color=color, ms=8,
+                    gid=f"at-budget:{s.label}")
+            speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
+            ax.annotate(f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
+                        xytext=(5, 5), textcoords="offset points", fontsize=8, color=color)
+    ax.set_xlabel(f"memory budget ({unit})")
+    ax.set_ylabel("best latency per call (s)")
+    ax.set_title("Best latency against budget (dotted: measured over the budget)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def best_table(studies: list[StudyData]) -> list[dict]:
+    """One row per study: its best configuration, and the speedup over its own baseline."""
+    rows = []
+    for s in studies:
+        w = s.workload
+        rows.append({
+            "study": s.label,
+            "name": s.name,
+            "model": s.model.get("name", "?"),
+            "workload": f"{w.get('height')}x{w.get('width')}, {w.get('steps')} steps, batch {w.get('batch_size')}",
+            "device": s.device,
+            "budget": _size_text(s.budget_bytes),
+            "trial": s.best.trial if s.best else None,
+            "best_latency_s": s.best.latency_s if s.best else None,
+            "best_peak": _size_text(s.best.peak_memory_bytes) if s.best else "-",
+            "baseline_latency_s": s.baseline.latency_s if s.baseline else None,
+            "speedup": s.speedup,
+            "configuration": config_changes(s.best.config) if s.best else "nothing fits the budget",
+            "measured_trials": len(s._trials) if s._trials else None,
+        })
+    return rows
+
+
+def best_table_html(studies: list[StudyData]) -> str:
+    heads = ("study", "model", "workload", "device", "budget", "best latency", "peak memory",
+             "baseline latency", "speedup", "configuration", "trial")
+    cells = []
+    for r in best_table(studies):
+        fmt = lambda v, f: f.format(v) if v is not None else "-"  # noqa: E731
+        cells.append([r["study"], r["model"], r["workload"], r["device"], r["budget"],
+                      fmt(r["best_latency_s"], "{:.3f} s"), r["best_peak"],
+                      fmt(r["baseline_latency_s"], "{:.3f} s"), fmt(r["speedup"], "{:.2f}x"),
+                      r["configuration"], fmt(r["trial"], "{}")])
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in cells)
+    return f'<table class="autotune-best"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def plot_speedups(studies: list[StudyData]):
+    """Speedup of each study's best over its baseline, with the configuration that gave it."""
+    fig = _figure(9, 1.2 + 0.7 * len(studies))
+    ax = fig.add_subplot()
+    colors = _colors(len(studies))
+    for i, (s, color) in enumerate(zip(studies, colors)):
+        value = s.speedup or 0.0
+        bar = ax.barh(i, value, color=color, alpha=0.8)
+        bar.patches[0].set_gid(f"speedup:{s.label}")
+        text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
+                f"[{config_changes(s.best.config)}]" if s.speedup else
+                "nothing fits the budget" if s.best is None else "no baseline measured")
+        ax.text(0.02, i, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform())
+    ax.axvline(1.0, color="black", lw=1, ls="--")
+    ax.set_yticks(range(len(studies)), [s.label for s in studies], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup of the best configuration over the study's baseline (x)")
+    ax.set_title("Best configuration per study")
+    ax.set_xlim(0, max([s.speedup or 0 for s in studies] + [1.0]) * 1.15)
+    return fig
+
+
+def plot_importances(studies: list[StudyData]):
+    """Knob importance for latency and for peak memory (PED-ANOVA), one bar per study; a study
+    with too few trials gets a note instead of bars."""
+    fig = _figure(10, 5)
+    axes = fig.subplots(1, 2, sharey=True)
+    colors = _colors(len(studies))
+    results = {t: [knob_importance(s, t) for s in studies] for t in ("latency", "memory")}
+    knobs = sorted({k for t in results for imp, _ in results[t] for k in imp})
+    notes = sorted({note for t in results for _, note in results[t] if note})
+    height = 0.8 / max(1, len(studies))
+    for ax, target in zip(axes, ("latency", "memory")):
+        for i, (s, color, (imp, note)) in enumerate(zip(studies, colors, results[target])):
+            if not imp:
+                continue
+            ys = [k * 1.0 + i * height for k in range(len(knobs))]
+            bars = ax.barh(ys, [imp.get(k, 0.0) for k in knobs], height=height, color=color,
+                           label=s.label)
+            for knob, patch in zip(knobs, bars.patches):
+                patch.set_gid(f"importance:{target}:{s.label}:{knob}")
+        ax.set_title(f"what moves {'latency' if target == 'latency' else 'peak memory'}")
+        ax.set_xlabel("importance (sums to 1 per study)")
+        ax.set_xlim(0, 1)
+        ax.grid(axis="x", alpha=0.3)
+    if knobs:
+        axes[0].set_yticks([k + 0.4 - height / 2 for k in range(len(knobs))], knobs)
+        axes[0].invert_yaxis()
+        handles, labels = axes[0].get_legend_handles_labels()
+        if not handles:
+            handles, labels = axes[1].get_legend_handles_labels()
+        axes[1].legend(handles, labels, fontsize=8, loc="lower right")
+    else:
+        axes[0].set_yticks([])
+    if notes:
+        fig.text(0.01, 0.005, "\n".join(notes), fontsize=8, va="bottom", color="dimgray",
+                 gid="importance-notes")
+        fig.get_layout_engine().set(rect=(0, 0.04 * len(notes) + 0.02, 1, 1 - 0.04 * len(notes) - 0.02))
+    fig.suptitle("Which knobs matter most (optuna PED-ANOVA over the measured trials)")
+    return fig
+
+
+def plot_timeline(studies: list[StudyData]):
+    """Each trial as a bar from its start to its end, one row per study, coloured by how it
+    ended (ok, over budget, each failure class, duplicate, forbidden); counts in the legend."""
+    fig = _figure(10, 1.5 + 0.8 * len(studies))
+    ax = fig.add_subplot()
+    total: dict[str, int] = {}
+    longest = max([sp.end_s for s in studies for sp in s.timeline] or [1.0])
+    tick = longest / 400  # instantaneous trials (duplicates, forbidden) stay visible
+    for row, s in enumerate(studies):
+        for sp in s.timeline:
+            total[sp.kind] = total.get(sp.kind, 0) + 1
+            patch = ax.barh(row, max(sp.end_s - sp.start_s, tick), left=sp.start_s, height=0.6,
+                            color=CLASS_COLORS[sp.kind], edgecolor="white", linewidth=0.5)
+            patch.patches[0].set_gid(f"trial:{s.label}:{sp.trial}:{sp.kind}")
+        if not s.timeline:
+            ax.text(0, row, "  no trials here (a profile without its study)", va="center", fontsize=8)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=CLASS_COLORS[k], label=f"{k} ({total[k]})") for k in CLASS_COLORS if k in total]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    ticks = [f"{s.label}\n{len(s.timeline)} trials, "
+             f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
+    ax.set_yticks(range(len(studies)), ticks, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the study's first trial started")
+    ax.set_title("Trial timeline: how each trial ended")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def plot_images(studies: list[StudyData]):
+    """The output images of the chosen configurations, where the trials kept them; None when
+    no study has any."""
+    rows = [(s, chosen_images(s)) for s in studies]
+    rows = [(s, imgs) for s, imgs in rows if imgs]
+    if not rows:
+        return None
+    from PIL import Image
+
+    cols = max(len(imgs) for _, imgs in rows)
+    fig = _figure(min(3.2 * cols, 16), 3.6 * len(rows))
+    axes = fig.subplots(len(rows), cols, squeeze=False)
+    for r, (s, imgs) in enumerate(rows):
+        for c in range(cols):
+            ax = axes[r][c]
+            ax.axis("off")
+            if c >= len(imgs):
+                continue
+            caption, path = imgs[c]
+            with Image.open(path) as im:
+                ax.imshow(im.convert("RGB"), gid=f"image:{s.label}:{path.name}")
+            ax.set_title(f"{s.label}\n{caption}", fontsize=7)
+    fig.suptitle("Output images of the chosen configurations (fixed seed)")
+    return fig
+
+
+CHARTS = {
+    "fronts": plot_fronts,
+    "best_vs_budget": plot_best_vs_budget,
+    "speedups": plot_speedups,
+    "importance": plot_importances,
+    "timeline": plot_timeline,
+    "images": plot_images,
+}
+
+
+def figures(studies: list[StudyData]) -> dict:
+    """Every chart by name (images only when some trial kept one)."""
+    out = {}
+    for name, plot in CHARTS.items():
+        fig = plot(studies)
+        if fig is not None:
+            out[name] = fig
+    return out
+
+
+def overview_html(studies: list[StudyData]) -> str:
+    """What was loaded: one line per study, and the notes (missing storages, too few trials)."""
+    items = []
+    for s in studies:
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(s.counts.items())) or "no trials"
+        items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "
+                     f"{html.escape(str(s.storage))} ({s.source}); {html.escape(counts)}</li>")
+    notes = [n for s in studies for n in s.notes]
+    notes += [note for s in studies for note in [knob_importance(s, "latency")[1]] if note]
+    note_html = "".join(f"<li>{html.escape(n)}</li>" for n in dict.fromkeys(notes))
+    return f"<ul>{''.join(items)}</ul>" + (f"<p>Notes:</p><ul>{note_html}</ul>" if note_html else "")
+
+
+def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "autotune: compared studies") -> list[Path]:
+    """Every chart as PNG in `out_dir`, and index.html showing them with the table of bests.
+    Returns the files written, index.html last."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    sections = []
+    for name, fig in figures(studies).items():
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        written.append(path)
+        sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n<img src="{path.name}" alt="{name}">')
+        if name == "speedups":
+            sections.append(best_table_html(studies))
+    page = (
+        f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}"
+        "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:4px}</style>"
+        f"</head><body>\n<h1>{html.escape(title)}</h1>\n{overview_html(studies)}\n"
+        + "\n".join(sections) + "\n</body></html>\n"
+    )
+    index = out / "index.html"
+    index.write_text(page)
+    written.append(index)
+    return written
+
+
+# ---- notebooks ----------------------------------------------------------------------------------
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "compare_studies.ipynb"
+
+
+def run_notebook(sources: str, notebook: str | Path = NOTEBOOK, out: str | Path | None = None,
+                 figures_dir: str | Path | None = None, cwd: str | Path | None = None,
+                 extra_cells: list[str] = (), timeout: int = 300):
+    """Execute the comparison notebook on `sources` (it reads AUTOTUNE_STUDIES) with nbclient;
+    write the executed notebook to `out` and its PNG outputs to `figures_dir`. Returns the
+    executed notebook (nbformat), `extra_cells` (run after the notebook's own) included. Needs the `test` extra (nbclient, nbformat, ipykernel)."""
+    import base64
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    for source in extra_cells:
+        nb.cells.append(nbformat.v4.new_code_cell(source))
+    previous = os.environ.get("AUTOTUNE_STUDIES")
+    os.environ["AUTOTUNE_STUDIES"] = sources  # the kernel inherits it
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(cwd or Path.cwd())}}).execute()
+    finally:
+        if previous is None:
+            os.environ.pop("AUTOTUNE_STUDIES", None)
+        else:
+            os.environ["AUTOTUNE_STUDIES"] = previous
+    if out:  # the notebook as shipped, executed: without the extra cells
+        shipped = nbformat.from_dict(nb)
+        shipped.cells = nb.cells[: len(nb.cells) - len(extra_cells)]
+        nbformat.write(shipped, str(out))
+    if figures_dir:
+        folder = Path(figures_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for cell in nb.cells:
+            name = cell.get("metadata", {}).get("autotune_figure")
+            pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+            if name and pngs:
+                (folder / f"{name}.png").write_bytes(base64.b64decode(pngs[-1]))
+    return nb
+
+
+# ---- `autotune report` --------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed, none tried
+    from .cli import _Parser
+
+    p = _Parser(
+        prog="autotune report",
+        description="Compare studies: write their charts as PNG and an index.html page.",
+        epilog="Examples: autotune report --out report/  (every study in the default storage); "
+        "autotune report --storage sqlite:///s.db --study A --study B --out report/; "
+        "autotune report a.yaml b.yaml --out report/",
+    )
+    p.add_argument("sources", nargs="*", metavar="SOURCE",
+                   help="a profile file, NAME@STORAGE_URL, or a storage URL (all its studies)")
+    p.add_argument("--storage", help=f"storage URL of the --study names (default {DEFAULT_STORAGE})")
+    p.add_argument("--study", action="append", default=[], metavar="NAME",
+                   help="a study in --storage; repeat to compare several")
+    p.add_argument("--profile", action="append", default=[], type=Path, help="a profile file; repeatable")
+    p.add_argument("--out", required=True, type=Path, help="folder for the PNGs and index.html")
+    p.add_argument("--title", default="autotune: compared studies")
+    args = p.parse_args(argv)
+    sources = [*args.sources, *map(str, args.profile)]
+    storage = args.storage
+    if not sources and not args.study and not storage:
+        storage = DEFAULT_STORAGE  # every study in the default storage
+    studies = load(sources, storage=storage, studies=args.study)
+    written = write_report(studies, args.out, title=args.title)
+    for s in studies:
+        for note in s.notes:
+            print(f"note: {note}")
+    print(f"compared {len(studies)} studies: " + ", ".join(s.label for s in studies))
+    print(f"wrote {len(written) - 1} charts and {written[-1]}")
+    return 0
+
+
+__all__ = [
+    "ReportError", "StudyData", "Point", "Span", "load", "load_study", "load_profile_source",
+    "best_under", "best_table", "best_table_html", "knob_importance", "chosen_images",
+    "plot_fronts", "plot_best_vs_budget", "plot_speedups", "plot_importances", "plot_timeline",
+    "plot_images", "figures", "overview_html", "write_report", "run_notebook", "main",
+]
