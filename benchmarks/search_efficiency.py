@@ -21,6 +21,8 @@ Strategies:
 - random: `optuna.samplers.RandomSampler(seed=seed)`, same objective; with de-duplication it is
   random search without replacement over the space's allowed configs.
 - grid: `SearchSpace.configs()` in its order (baseline first, then itertools.product order).
+- ours:NAME: the real tune loop with a sampler of VARIANTS in place of make_sampler, e.g.
+  `--strategies ours,ours:tpe-mv-s5` (make_sampler before n_ei_candidates=100).
 """
 
 from __future__ import annotations
@@ -269,6 +271,9 @@ VARIANTS = {
     "tpe-default": _tpe(),  # optuna 5's defaults: multivariate, 10 random startup trials
     "tpe-mv-s5-ei100": _tpe(multivariate=True, group=True, n_startup_trials=5, n_ei_candidates=100),
     "tpe-mv-s5-prior0.5": _tpe(multivariate=True, group=True, n_startup_trials=5, prior_weight=0.5),
+    "tpe-mv-s3-ei100": _tpe(multivariate=True, group=True, n_startup_trials=3, n_ei_candidates=100),
+    "tpe-mv-s5-ei200": _tpe(multivariate=True, group=True, n_startup_trials=5, n_ei_candidates=200),
+    "tpe-mv-s5-ei50": _tpe(multivariate=True, group=True, n_startup_trials=5, n_ei_candidates=50),
     "tpe-mv-s10-ei100": _tpe(multivariate=True, group=True, n_startup_trials=10, n_ei_candidates=100),
     "tpe-mv-s5-g25": _tpe(multivariate=True, group=True, n_startup_trials=5, gamma=lambda n: min(math.ceil(0.25 * n), 25)),
     "tpe-mv-s3-g25": _tpe(multivariate=True, group=True, n_startup_trials=3, gamma=lambda n: min(math.ceil(0.25 * n), 25)),
@@ -366,7 +371,9 @@ def markdown(table: Table, rows: list[dict], budgets: list[int], holds_at, max_t
         f"each measured once ({d['command']}); {len(ok)} ran, "
         f"latency {min(r['latency_s'] for r in ok):.3g}-{max(r['latency_s'] for r in ok):.3g} s, "
         f"peak {min(r['peak_memory_bytes'] for r in ok) / 2**20:.0f}-"
-        f"{max(r['peak_memory_bytes'] for r in ok) / 2**20:.0f} MiB. Replay: `{command}`.",
+        f"{max(r['peak_memory_bytes'] for r in ok) / 2**20:.0f} MiB. The fastest config overall "
+        f"peaks at {min(ok, key=lambda r: r['latency_s'])['peak_memory_bytes'] / 2**20:.1f} MiB: a budget "
+        f"excludes it only below that. Replay: `{command}`.",
         "",
         "A trial is a distinct configuration measured. Trials to 5% / to optimum: median over seeds "
         f"(runs stop at {max_trials} trials; 'never' when most runs did not get there). "
