@@ -51,6 +51,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _margin(text: str) -> str:
+    from .sizes import parse_margin
+
+    try:
+        parse_margin(text, 2**30)  # checked here, turned into bytes once the budget is known
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _size(text: str) -> int:
     from .sizes import parse_size
 
@@ -84,6 +94,9 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="peak memory budget, e.g. 8GB, 7.5GiB, 8000MiB (GB means GiB); on a GPU "
                    "the driver-level peak of the trial process, on a CPU its peak resident "
                    "memory (default: all the device has)")
+    b.add_argument("--margin", type=_margin, default="5%", metavar="SIZE_OR_PERCENT",
+                   help="safety margin kept free under the budget: a config fits when its peak "
+                   "plus the margin is within the budget, e.g. 5%%, 512MB, 0 (default 5%%)")
     b.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
     s = p.add_argument_group("search")
     s.add_argument("--space", type=Path, help="a search-space YAML (default: the model family's)")
@@ -95,9 +108,16 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="start no new trial after this long")
     s.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
                    help="kill a trial after this long (default 1200)")
-    s.add_argument("--repeats", type=_positive_int, default=3, help="timed calls per trial")
-    s.add_argument("--warmup", type=_positive_int, default=1, help="untimed calls per trial")
-    s.add_argument("--threads", type=_positive_int, help="CPU threads per trial (default: torch's)")
+    s.add_argument("--repeats", type=_positive_int, default=3,
+                   help="timed calls per trial at least; more, up to --max-calls, until the last "
+                   "REPEATS agree within --spread (default 3)")
+    s.add_argument("--max-calls", type=_positive_int, default=10, help="timed calls per trial at most")
+    s.add_argument("--spread", type=_positive_float, default=0.05, metavar="FRACTION",
+                   help="(max - min) / median the last REPEATS calls must be under (default 0.05)")
+    s.add_argument("--warmup", type=_positive_int, default=1,
+                   help="untimed calls per trial at least; more (up to 5) until two agree within 10%%")
+    s.add_argument("--threads", type=_positive_int,
+                   help="CPU threads of every trial, fixed and recorded (default: torch's default here)")
     s.add_argument("--sampler-seed", type=int, help="seed of the sampler, for repeatable runs")
     s.add_argument("--launcher", choices=("fork", "spawn"),
                    help="start trials forked from a preloaded server (fast) or as fresh "
@@ -163,11 +183,12 @@ def _resolve_device(name: str) -> str:
     raise AutotuneError(f"--device {name}: expected cuda, cuda:N or cpu")
 
 
-def _study_name(spec, workload, budget, device, space) -> str:
+def _study_name(spec, workload, budget, device, space, margin: int, threads: int) -> str:
     from .sizes import short_size
 
+    # What the stored results depend on: a change starts another study instead of mixing them.
     ident = json.dumps(
-        [spec.to_dict(), workload.to_dict(), budget, device,
+        [spec.to_dict(), workload.to_dict(), budget, margin, threads, device,
          [[d.name, list(d.choices), d.when] for d in space.dimensions], space.forbid],
         sort_keys=True, default=str,
     )
@@ -187,7 +208,9 @@ def _tune(args) -> int:
     from .knobs import Target
     from .models import resolve_model
     from .runner import default_launcher
-    from .sizes import format_size, short_size
+    import torch
+
+    from .sizes import format_size, parse_margin, short_size
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
@@ -207,17 +230,22 @@ def _tune(args) -> int:
         return 0
 
     budget = args.budget or fingerprint.device_memory_bytes(device)
+    margin = parse_margin(args.margin, budget)
+    threads = args.threads or torch.get_num_threads()
     storage = args.storage or _default_storage()
-    study_name = args.study_name or _study_name(spec, workload, budget, device, space)
+    study_name = args.study_name or _study_name(spec, workload, budget, device, space,
+                                                margin=margin, threads=threads)
     output = args.output or Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
     workdir = DEFAULT_STORAGE_DIR / "trials" / study_name
 
     request = TuneRequest(
         spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
-        timeout_s=args.timeout, trial_timeout_s=args.trial_timeout, repeats=args.repeats,
-        warmup=args.warmup, threads=args.threads, seed=args.sampler_seed,
+        timeout_s=args.timeout, trial_timeout_s=args.trial_timeout, margin=args.margin,
+        repeats=args.repeats, max_calls=max(args.max_calls, args.repeats), spread_limit=args.spread,
+        warmup=args.warmup, threads=threads, seed=args.sampler_seed,
         launcher=args.launcher or default_launcher(device),
+        compile_cache_dir=(DEFAULT_STORAGE_DIR / "compile-cache" / study_name).resolve(),
     )
     out = console.terminal()
     console.print_header(out, request, space)
@@ -228,7 +256,7 @@ def _tune(args) -> int:
         out.print(f"interrupted: the measured trials are kept in {storage} (study "
                   f"{study_name}); run the same command to resume")
         return EXIT_INTERRUPTED
-    console.print_summary(out, outcome, budget)
+    console.print_summary(out, outcome, budget, request.margin_bytes)
     if outcome.best is None:
         smallest = outcome.smallest_peak_bytes
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
@@ -281,6 +309,7 @@ def _verify(out, profile, args) -> int:
     from . import console, runner
 
     device = args.device or profile.data["machine"]["device"]
+    measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
     request = {
         "profile": str(args.profile.resolve()),
         "model": profile.data["model"],
@@ -289,6 +318,9 @@ def _verify(out, profile, args) -> int:
         "device": device,
         "repeats": args.repeats,
         "warmup": 1,
+        "threads": profile.threads,  # the thread count it was measured with
+        "max_calls": max(args.repeats, measured.get("timed_calls_max", 10)),
+        "spread_limit": measured.get("spread_limit", 0.05),
     }
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts

@@ -51,7 +51,8 @@ def print_header(out: Console, request, space) -> None:
     out.print(
         f"autotune: {request.spec.name} ({request.spec.kind}) on {request.target.device}, "
         f"{w.height}x{w.width}, {w.steps} steps, batch {w.batch_size}; budget "
-        f"{format_size(request.budget_bytes)}; study {request.study_name}"
+        f"{format_size(request.budget_bytes)} with a margin of {request.margin} "
+        f"({format_size(request.margin_bytes)}); {request.threads} CPU threads; study {request.study_name}"
     )
     for d in space.dropped:
         out.print(f"  dropped {d}")
@@ -104,27 +105,35 @@ class TrialProgress:
         self.progress.update(self.task, advance=1, description=desc)
 
 
-def print_summary(out: Console, outcome, budget_bytes: int) -> None:
+def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
     out.print(f"stopped: {outcome.stop_reason}")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
-    table = Table(title=f"baseline vs best within {format_size(budget_bytes)}")
-    for col in ("", "latency", "peak memory", "cold start", "speedup"):
+    table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
+                  f"(peak + {format_size(margin_bytes)} margin)")
+    for col in ("", "latency", "p90", "peak", "headroom", "cold", "speedup"):
         table.add_column(col, no_wrap=True)
-    table.add_column("configuration", overflow="fold")
     base = outcome.baseline
     rows = [("baseline", base)] + ([("best", outcome.best)] if outcome.best else [])
+    configs = []
     for label, rec in rows:
         if rec is None or rec.latency_s is None:
-            table.add_row(label, "-", "-", "-", "-", rec.status if rec else "not measured")
+            table.add_row(label, *["-"] * 6)
+            configs.append(f"{label}: {rec.status if rec else 'not measured'}")
             continue
         speedup = f"{base.latency_s / rec.latency_s:.2f}x" if base and base.latency_s else "-"
         cold = rec.result.get("cold_start_s")
+        p90 = rec.result.get("p90_s")
         table.add_row(
-            label, f"{rec.latency_s:.3f} s", format_size(rec.peak_memory_bytes),
-            f"{cold:.1f} s" if cold else "-", speedup, config_changes(rec.config),
+            label, f"{rec.latency_s:.3f} s", f"{p90:.3f} s" if p90 else "-",
+            format_size(rec.peak_memory_bytes), format_size(budget_bytes - rec.peak_memory_bytes),
+            f"{cold:.1f} s" if cold else "-", speedup,
         )
+        configs.append(f"{label} (trial {rec.number}, {rec.result.get('calls', '?')} timed calls): "
+                       f"{config_changes(rec.config)}")
     out.print(table)
+    for line in configs:
+        out.print(escape(line))
     if len(outcome.front) > 1:
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
@@ -138,6 +147,7 @@ def print_verification(out: Console, profile, result: dict) -> bool:
         table.add_column(col)
     for label, key, fmt in (
         ("latency (median)", "latency_s", lambda v: f"{v:.3f} s"),
+        ("latency (p90)", "p90_s", lambda v: f"{v:.3f} s"),
         ("peak memory", "peak_memory_bytes", format_size),
         ("cold start", "cold_start_s", lambda v: f"{v:.1f} s"),
     ):
@@ -159,11 +169,14 @@ def print_profile(out: Console, profile) -> None:
     out.print(f"profile {profile.path}")
     out.print(f"  model: {m['name']} ({m['kind']}, {m['family']})  workload: {w['height']}x{w['width']}, "
               f"{w['steps']} steps, batch {w['batch_size']}")
-    out.print(f"  budget: {format_size(d['budget']['memory_bytes'])}  machine: {d['machine'].get('name')} "
-              f"({d['machine'].get('device')})")
+    budget = d["budget"]
+    out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
+              f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
+              + (f", {profile.threads} CPU threads" if profile.threads else ""))
     best = d["best"]
     speed = best.get("speedup_vs_baseline")
-    out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}"
+    out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}, "
+              f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
               + (f", {speed:.2f}x the baseline" if speed else "")
               + escape(f"  [{config_changes(best['config'])}]"))
     table = Table(title="feasible Pareto front")
@@ -178,4 +191,4 @@ def print_profile(out: Console, profile) -> None:
               f"{s.get('infeasible')} infeasible")
 
 
-__all__ = ["console", "print_space", "print_header", "TrialProgress", "print_summary", "print_profile"]
+__all__ = ["terminal", "print_space", "print_header", "TrialProgress", "print_summary", "print_profile"]

@@ -123,11 +123,59 @@ def timed_call(fn, device: str):
     return time.perf_counter() - start, result
 
 
+def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = 0.10):
+    """Call until two calls in a row take times within `steady` of each other (compilation,
+    cuDNN autotuning and allocator growth happen in the first calls), at least `min_calls` and at
+    most `max_calls` times. Returns (seconds of each call, output of the first call)."""
+    times: list[float] = []
+    first_output = None
+    while len(times) < max(1, max_calls):
+        seconds, output = timed_call(call, device)
+        if not times:
+            first_output = output
+        times.append(seconds)
+        if len(times) >= max(2, min_calls) and abs(times[-1] - times[-2]) <= steady * times[-2]:
+            break
+    return times, first_output
+
+
+def timed_calls(
+    call,
+    device: str,
+    min_calls: int = 3,
+    max_calls: int = 10,
+    spread_limit: float = 0.05,
+    max_seconds: float | None = None,
+) -> dict:
+    """Timed calls until the median is stable: the last `min_calls` calls lie within
+    `spread_limit` of their median, or `max_calls` / `max_seconds` is reached."""
+    latencies: list[float] = []
+    window = max(1, min_calls)
+    started = time.perf_counter()
+    while True:
+        latencies.append(timed_call(call, device)[0])
+        if len(latencies) < window:
+            continue
+        recent = summarize(latencies[-window:])
+        stable = recent["spread"] <= spread_limit
+        out_of_time = max_seconds is not None and time.perf_counter() - started >= max_seconds
+        if stable or len(latencies) >= max_calls or out_of_time:
+            break
+    result = summarize(latencies)
+    result["window_spread"] = recent["spread"]
+    result["stable"] = stable
+    return result
+
+
 def summarize(latencies: list[float]) -> dict:
+    """Median, 90th percentile and relative spread ((max - min) / median) of call times."""
     ordered = sorted(latencies)
     median = statistics.median(ordered)
+    p90 = statistics.quantiles(ordered, n=10, method="inclusive")[-1] if len(ordered) > 1 else ordered[0]
     return {
         "latency_s": median,
+        "p90_s": p90,
         "latencies_s": latencies,
+        "calls": len(latencies),
         "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
     }

@@ -22,6 +22,7 @@ from . import fingerprint
 from .errors import ProfileError
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
+from .sizes import format_size, parse_margin
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -35,13 +36,16 @@ class ProfileMismatchWarning(UserWarning):
     """The machine or libraries differ from those the profile was measured on."""
 
 
-def _point(record) -> dict:
+def _point(record, budget_bytes: int) -> dict:
     r = record.result
     return {
         "trial": record.number,
         "config": record.config,
         "latency_s": r["latency_s"],
+        "p90_s": r.get("p90_s"),
+        "calls": r.get("calls"),
         "peak_memory_bytes": r["peak_memory_bytes"],
+        "headroom_bytes": budget_bytes - r["peak_memory_bytes"],  # left under the budget
         "memory_source": r.get("memory_source"),
         "torch_peak_allocated_bytes": r.get("torch_peak_allocated_bytes"),
         "torch_peak_reserved_bytes": r.get("torch_peak_reserved_bytes"),
@@ -54,7 +58,8 @@ def _point(record) -> dict:
 
 def build(req, outcome, storage_label: str) -> dict:
     """The profile document for a finished study (`study.TuneRequest`, `study.StudyOutcome`)."""
-    best = _point(outcome.best)
+    budget = req.budget_bytes
+    best = _point(outcome.best, budget)
     best["speedup_vs_baseline"] = (
         outcome.baseline.latency_s / outcome.best.latency_s
         if outcome.baseline and outcome.baseline.latency_s
@@ -64,12 +69,19 @@ def build(req, outcome, storage_label: str) -> dict:
         "autotune_profile": FORMAT_VERSION,
         "model": req.spec.to_dict(),
         "workload": req.workload.to_dict(),
-        "budget": {"memory_bytes": req.budget_bytes},
+        "budget": {"memory_bytes": budget, "margin": req.margin, "margin_bytes": req.margin_bytes},
+        "measurement": {
+            "threads": req.threads,
+            "warmup_calls_min": req.warmup,
+            "timed_calls_min": req.repeats,
+            "timed_calls_max": req.max_calls,
+            "spread_limit": req.spread_limit,
+        },
         "machine": fingerprint.machine(req.target.device),
         "software": fingerprint.software(),
         "best": best,
-        "baseline": _point(outcome.baseline) if outcome.baseline and outcome.baseline.latency_s else None,
-        "pareto": [_point(r) for r in outcome.front],
+        "baseline": _point(outcome.baseline, budget) if outcome.baseline and outcome.baseline.latency_s else None,
+        "pareto": [_point(r, budget) for r in outcome.front],
         "study": {
             "name": req.study_name,
             "storage": storage_label,
@@ -115,6 +127,15 @@ class Profile:
         return self.data["budget"]["memory_bytes"]
 
     @property
+    def margin(self) -> str:
+        return str(self.data["budget"].get("margin", "0"))
+
+    @property
+    def threads(self) -> int | None:
+        """CPU threads the figures were measured with (torch.set_num_threads in serving)."""
+        return (self.data.get("measurement") or {}).get("threads")
+
+    @property
     def best(self) -> dict:
         return self.data["best"]
 
@@ -127,15 +148,17 @@ class Profile:
         return complete(self.best["config"])
 
     def choose(self, budget_bytes: int | None = None) -> dict:
-        """The fastest measured point that fits `budget_bytes` (default: the profile's best)."""
+        """The fastest measured point whose peak plus the profile's safety margin fits
+        `budget_bytes` (default: the profile's best)."""
         if budget_bytes is None:
             return self.best
-        fitting = [p for p in self.pareto if p["peak_memory_bytes"] <= budget_bytes]
+        margin = parse_margin(self.margin, budget_bytes)
+        fitting = [p for p in self.pareto if p["peak_memory_bytes"] + margin <= budget_bytes]
         if not fitting:
             smallest = min(p["peak_memory_bytes"] for p in self.pareto)
             raise ProfileError(
-                f"no configuration in this profile fits {budget_bytes} bytes "
-                f"(the smallest measured peak is {smallest} bytes)"
+                f"no configuration in this profile fits {format_size(budget_bytes)} with a margin "
+                f"of {self.margin} (the smallest measured peak is {format_size(smallest)})"
             )
         return min(fitting, key=lambda p: p["latency_s"])
 
@@ -209,6 +232,7 @@ def validate(data, path) -> None:
         ModelSpec.from_dict(data["model"])
         Workload.from_dict(data["workload"])
         int(data["budget"]["memory_bytes"])
+        parse_margin(data["budget"].get("margin", "0"), int(data["budget"]["memory_bytes"]))
         for point in [data["best"], *data["pareto"]]:
             missing = [k for k in POINT_KEYS if k not in point]
             if missing:

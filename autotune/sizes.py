@@ -24,6 +24,25 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_margin(text: str, budget: int) -> int:
+    """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0")."""
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
+        if not 0 <= percent < 100:
+            raise ValueError(f"margin '{text}' must be from 0% to under 100%")
+        return int(budget * percent / 100)
+    if text in ("0", "0B"):
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
+
+
 def format_size(size: int | None) -> str:
     if size is None:
         return "-"

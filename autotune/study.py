@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 from . import runner, worker
 from .knobs import Config, Target, baseline
 from .models import ModelSpec
+from .sizes import parse_margin
 from .space import SearchSpace, config_key
 from .workload import Workload
 
@@ -47,11 +48,20 @@ class TuneRequest:
     workdir: Path  # per-trial request/result/log files
     timeout_s: float | None = None
     trial_timeout_s: float = 1200.0
-    repeats: int = 3
-    warmup: int = 1
+    margin: str = "0"  # safety margin ("5%", "512MB"): a config fits when peak + margin <= budget
+    repeats: int = 3  # timed calls at least, and the window whose spread must be under spread_limit
+    max_calls: int = 10  # timed calls at most
+    spread_limit: float = 0.05
+    warmup: int = 1  # warm-up calls at least (more until two in a row agree)
     threads: int | None = None
+    compile_cache_dir: Path | None = None  # inductor cache shared by the study's trials
     seed: int | None = None
     launcher: str = "spawn"  # runner.LAUNCHERS
+
+
+    @property
+    def margin_bytes(self) -> int:
+        return parse_margin(self.margin, self.budget_bytes)
 
 
 @dataclass
@@ -92,9 +102,10 @@ class StudyOutcome:
         return min(peaks) if peaks else None
 
 
-def violation(result: dict, budget_bytes: int) -> float:
+def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:
+    """Relative overshoot of the budget by peak memory plus the safety margin (> 0: infeasible)."""
     peak = result.get("peak_memory_bytes")
-    over = (peak - budget_bytes) / budget_bytes if peak else 0.0
+    over = (peak + margin_bytes - budget_bytes) / budget_bytes if peak else 0.0
     if result["status"] == worker.OK:
         return over
     return max(over, 0.0) + BROKEN
@@ -254,6 +265,7 @@ def tune(
             "model": req.spec.to_dict(),
             "workload": req.workload.to_dict(),
             "budget_bytes": req.budget_bytes,
+            "margin_bytes": req.margin_bytes,
             "device": req.target.device,
         },
     )
@@ -324,8 +336,11 @@ def tune(
             "device": req.target.device,
             "capability": req.target.capability,
             "repeats": req.repeats,
+            "max_calls": req.max_calls,
+            "spread_limit": req.spread_limit,
             "warmup": req.warmup,
             "threads": req.threads,
+            "compile_cache_dir": str(req.compile_cache_dir) if req.compile_cache_dir else None,
         }
         try:
             result = measure(request, req.workdir / f"trial-{trial.number:05d}",
@@ -336,7 +351,7 @@ def tune(
             study.tell(trial, state=TrialState.FAIL)
             study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
             raise
-        v = violation(result, req.budget_bytes)
+        v = violation(result, req.budget_bytes, req.margin_bytes)
         trial.set_user_attr("result", result)
         _record(trial, v)
         latency = result.get("latency_s")

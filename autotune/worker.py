@@ -55,13 +55,17 @@ def run(request: dict, started: float = _T0) -> dict:
     import torch
 
     from .knobs import Target, build_configured
-    from .measure import MemoryTracker, summarize, timed_call
+    from .measure import MemoryTracker, timed_calls, warm_up
     from .models import ModelSpec
     from .workload import Workload
 
     threads = request.get("threads")
     if threads:
         torch.set_num_threads(int(threads))
+    if request.get("compile_cache_dir"):
+        # One inductor/FX-graph cache per study: a config compiled once compiles from cache in
+        # later trials and in `verify` (read when inductor first compiles, after this point).
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = request["compile_cache_dir"]
     device = request["device"]
     spec = ModelSpec.from_dict(request["model"])
     workload = Workload.from_dict(request["workload"])
@@ -95,20 +99,29 @@ def run(request: dict, started: float = _T0) -> dict:
             # lets the NaN check look at every value.
             return pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
 
-        phase = "first call"
-        first_s, output = timed_call(call, device)
-        result["first_call_s"] = first_s
-        result["cold_start_s"] = result["load_s"] + first_s
+        phase = "warm-up"
+        warm_times, output = warm_up(
+            call, device, min_calls=int(request.get("warmup", 1)), max_calls=int(request.get("max_warmup", 5))
+        )
+        # The first call pays for compilation and autotuning: the cold start a server sees.
+        result["first_call_s"] = warm_times[0]
+        result["cold_start_s"] = result["load_s"] + warm_times[0]
+        result["warmup_s"] = warm_times
         if not _finite(output):
             result["status"] = NAN_OUTPUT
             result["error"] = "the output holds NaN or inf"
             return result
-        phase = "warm-up"
-        for _ in range(max(0, int(request.get("warmup", 1)) - 1)):
-            timed_call(call, device)
         phase = "timed calls"
-        latencies = [timed_call(call, device)[0] for _ in range(int(request.get("repeats", 3)))]
-        result.update(summarize(latencies))
+        result.update(
+            timed_calls(
+                call,
+                device,
+                min_calls=int(request.get("repeats", 3)),
+                max_calls=int(request.get("max_calls", 10)),
+                spread_limit=float(request.get("spread_limit", 0.05)),
+                max_seconds=request.get("max_timed_s"),
+            )
+        )
         result["per_step_s"] = result["latency_s"] / workload.steps
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)

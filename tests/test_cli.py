@@ -35,6 +35,8 @@ def one_line_error(proc):
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),
         (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["--margin", "lots"], "not a margin"),
+        (["--margin", "100%"], "under 100%"),
         (["--space", "missing.yaml"], "no such file"),
         (["show", "missing.yaml"], "no such file"),
         (["--no-such-flag"], "unrecognized arguments"),

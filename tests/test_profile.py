@@ -66,6 +66,15 @@ def test_choose_takes_the_fastest_point_that_fits(written):
         profile.choose(GiB // 2)
 
 
+def test_choose_keeps_the_safety_margin_free(tmp_path):
+    doc = document()
+    doc["budget"]["margin"] = "10%"
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    # 3 GiB fits 3.2 GiB, but not with 10% of it (0.32 GiB) kept free.
+    assert profile.choose(int(3.2 * GiB))["trial"] == 5
+    assert profile.choose(int(3.4 * GiB))["trial"] == 3
+
+
 @pytest.mark.parametrize(
     "mangle, message",
     [

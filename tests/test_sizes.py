@@ -1,6 +1,6 @@
 import pytest
 
-from autotune.sizes import format_size, parse_size, short_size
+from autotune.sizes import format_size, parse_margin, parse_size, short_size
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,17 @@ def test_formats_round_trip_for_file_names():
     assert short_size(8 * 2**30) == "8GB"
     assert short_size(512 * 2**20) == "512MB"
     assert format_size(3 * 2**29) == "1.50 GiB"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("5%", 2**30 // 20), ("0", 0), ("0%", 0), ("512MB", 512 * 2**20), ("12.5%", 2**30 // 8)],
+)
+def test_margin_is_a_share_of_the_budget_or_a_size(text, expected):
+    assert parse_margin(text, 2**30) == expected
+
+
+@pytest.mark.parametrize("text", ["100%", "-5%", "five%", "lots", "-1GB"])
+def test_rejects_bad_margins(text):
+    with pytest.raises(ValueError, match="margin"):
+        parse_margin(text, 2**30)
