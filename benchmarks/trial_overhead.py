@@ -1,7 +1,7 @@
 """Per-trial overhead: the spawn launcher against the fork server, in one run.
 
 Overhead of a trial = its wall time (as the parent sees it) minus the time spent inside timed
-pipeline calls (warm-up and repeats). Both launchers run the same tiny-sdxl baseline trial, in
+pipeline calls (warm-up and timed calls). Both launchers run the same tiny-sdxl baseline trial, in
 alternation so that machine noise hits both alike.
 
     python benchmarks/trial_overhead.py --trials 5
@@ -20,7 +20,7 @@ from autotune.models import resolve_model
 
 
 def overhead(result: dict) -> tuple[float, float]:
-    inside = result["first_call_s"] + sum(result["latencies_s"])  # warmup=1: the first call
+    inside = sum(result["warmup_s"]) + sum(result["latencies_s"])  # every pipeline call
     return result["wall_s"] - inside, result["wall_s"]
 
 
