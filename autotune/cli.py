@@ -61,6 +61,18 @@ def _margin(text: str) -> str:
     return text
 
 
+def _min_psnr(text: str) -> str | float:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a PSNR in dB (or 'auto')") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    return value
+
+
 def _size(text: str) -> int:
     from .sizes import parse_size
 
@@ -118,6 +130,11 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="untimed calls per trial at least; more (up to 5) until two agree within 10%%")
     s.add_argument("--threads", type=_positive_int,
                    help="CPU threads of every trial, fixed and recorded (default: torch's default here)")
+    s.add_argument("--min-psnr", type=_min_psnr, default="auto", metavar="DB",
+                   help="quality guard: reject configurations whose fixed-seed output is further "
+                   "than this PSNR (dB) from the float32 reference; 'auto' (default) calibrates it "
+                   "on what bfloat16 alone does, less 6 dB; lower it to let lossy settings in; 0 "
+                   "turns the guard off")
     s.add_argument("--sampler-seed", type=int, help="seed of the sampler, for repeatable runs")
     s.add_argument("--launcher", choices=("fork", "spawn"),
                    help="start trials forked from a preloaded server (fast) or as fresh "
@@ -183,12 +200,12 @@ def _resolve_device(name: str) -> str:
     raise AutotuneError(f"--device {name}: expected cuda, cuda:N or cpu")
 
 
-def _study_name(spec, workload, budget, device, space, margin: int, threads: int) -> str:
+def _study_name(spec, workload, budget, device, space, margin: int, threads: int, min_psnr) -> str:
     from .sizes import short_size
 
     # What the stored results depend on: a change starts another study instead of mixing them.
     ident = json.dumps(
-        [spec.to_dict(), workload.to_dict(), budget, margin, threads, device,
+        [spec.to_dict(), workload.to_dict(), budget, margin, threads, min_psnr, device,
          [[d.name, list(d.choices), d.when] for d in space.dimensions], space.forbid],
         sort_keys=True, default=str,
     )
@@ -233,8 +250,9 @@ def _tune(args) -> int:
     margin = parse_margin(args.margin, budget)
     threads = args.threads or torch.get_num_threads()
     storage = args.storage or _default_storage()
+    min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
-                                                margin=margin, threads=threads)
+                                                margin=margin, threads=threads, min_psnr=min_psnr)
     output = args.output or Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
     workdir = DEFAULT_STORAGE_DIR / "trials" / study_name
 
@@ -243,7 +261,7 @@ def _tune(args) -> int:
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
         timeout_s=args.timeout, trial_timeout_s=args.trial_timeout, margin=args.margin,
         repeats=args.repeats, max_calls=max(args.max_calls, args.repeats), spread_limit=args.spread,
-        warmup=args.warmup, threads=threads, seed=args.sampler_seed,
+        warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(DEFAULT_STORAGE_DIR / "compile-cache" / study_name).resolve(),
     )

@@ -92,8 +92,12 @@ class TrialProgress:
         r = record.result
         if record.status == "ok":
             what = f"{record.latency_s:.3f} s, {format_size(record.peak_memory_bytes)}"
+            q = r.get("quality")
+            if q:
+                what += f", {q['psnr_db']:.1f} dB"
             if not record.feasible:
-                what += " (over budget)"
+                v = record.violations
+                what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
@@ -107,6 +111,13 @@ class TrialProgress:
 
 def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
     out.print(f"stopped: {outcome.stop_reason}")
+    guard = outcome.quality_guard
+    if guard:
+        calibrated = guard.get("bfloat16_psnr_db")
+        out.print(f"quality guard: PSNR against the float32 reference at least {guard['min_psnr_db']:.1f} dB"
+                  + (f" (bfloat16 alone: {calibrated:.1f} dB)" if calibrated is not None else ""))
+    else:
+        out.print("quality guard: off")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
@@ -129,7 +140,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
             format_size(rec.peak_memory_bytes), format_size(budget_bytes - rec.peak_memory_bytes),
             f"{cold:.1f} s" if cold else "-", speedup,
         )
-        configs.append(f"{label} (trial {rec.number}, {rec.result.get('calls', '?')} timed calls): "
+        q = rec.result.get("quality") or {}
+        guard = f", PSNR {q['psnr_db']:.1f} dB, SSIM {q['ssim']:.3f}" if q else ""
+        configs.append(f"{label} (trial {rec.number}, {rec.result.get('calls', '?')} timed calls{guard}): "
                        f"{config_changes(rec.config)}")
     out.print(table)
     for line in configs:

@@ -53,6 +53,8 @@ def _point(record, budget_bytes: int) -> dict:
         "cold_start_s": r.get("cold_start_s"),
         "per_step_s": r.get("per_step_s"),
         "spread": r.get("spread"),
+        "quality": r.get("quality"),  # PSNR / SSIM against the study's float32 reference
+        "image": r.get("image"),
     }
 
 
@@ -77,6 +79,7 @@ def build(req, outcome, storage_label: str) -> dict:
             "timed_calls_max": req.max_calls,
             "spread_limit": req.spread_limit,
         },
+        "quality_guard": outcome.quality_guard,  # reference and PSNR threshold, None when off
         "machine": fingerprint.machine(req.target.device),
         "software": fingerprint.software(),
         "best": best,

@@ -19,7 +19,8 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from . import runner, worker
+from . import quality, runner, worker
+from .errors import AutotuneError
 from .knobs import Config, Target, baseline
 from .models import ModelSpec
 from .sizes import parse_margin
@@ -55,6 +56,13 @@ class TuneRequest:
     warmup: int = 1  # warm-up calls at least (more until two in a row agree)
     threads: int | None = None
     compile_cache_dir: Path | None = None  # inductor cache shared by the study's trials
+    # Quality guard: "auto" (calibrated per study on what bfloat16 alone does), a PSNR in dB, or
+    # None / 0 for no quality constraint.
+    min_psnr_db: float | str | None = "auto"
+
+    @property
+    def reference_path(self) -> Path:
+        return self.workdir / "reference.npy"
     seed: int | None = None
     launcher: str = "spawn"  # runner.LAUNCHERS
 
@@ -73,6 +81,7 @@ class TrialRecord:
     violation: float
     baseline: bool = False
     duplicate_of: int | None = None
+    violations: dict = field(default_factory=dict)  # {"memory": ..., "quality": ...}
 
     @property
     def feasible(self) -> bool:
@@ -95,6 +104,7 @@ class StudyOutcome:
     best: TrialRecord | None = None
     front: list[TrialRecord] = field(default_factory=list)  # feasible Pareto front, by memory
     counts: dict = field(default_factory=dict)
+    quality_guard: dict | None = None  # reference, threshold and how it was calibrated
 
     @property
     def smallest_peak_bytes(self) -> int | None:
@@ -130,10 +140,13 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         )
 
 
-def _record(trial: optuna.Trial, violation_value: float) -> None:
-    """What the sampler learns feasibility from: the relative overshoot of the memory budget."""
-    trial.set_user_attr("violation", violation_value)
-    trial.set_constraint("memory", violation_value)
+def _record(trial: optuna.Trial, memory: float, quality: float = 0.0) -> None:
+    """What the sampler learns feasibility from: the relative overshoot of the memory budget and
+    the relative shortfall of image quality (> 0: infeasible), as two constraints."""
+    trial.set_user_attr("violation", max(memory, quality))
+    trial.set_user_attr("violations", {"memory": memory, "quality": quality})
+    trial.set_constraint("memory", memory)
+    trial.set_constraint("quality", quality)
 
 
 def make_sampler(seed: int | None) -> optuna.samplers.BaseSampler:
@@ -186,6 +199,7 @@ def record_of(frozen: optuna.trial.FrozenTrial) -> TrialRecord | None:
         status=attrs["result"]["status"],
         result=attrs["result"],
         violation=attrs["violation"],
+        violations=attrs.get("violations", {"memory": attrs["violation"]}),
         baseline=attrs.get("baseline", False),
         duplicate_of=attrs.get("duplicate_of"),
     )
@@ -250,6 +264,50 @@ def measure_in_child(req: TuneRequest) -> Measure:
     return measure
 
 
+def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
+    return {
+        "model": req.spec.to_dict(),
+        "config": config,
+        "workload": req.workload.to_dict(),
+        "device": req.target.device,
+        "capability": req.target.capability,
+        "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1,
+        "threads": req.threads,
+        "output_path": str(output.resolve()),
+    }
+
+
+def calibrate_quality(req: TuneRequest, measure: Measure) -> dict:
+    """The study's quality guard, set up once: the reference output (float32, nothing enabled)
+    and, for the "auto" threshold, what a precision change alone (bfloat16) does to it."""
+    request = _one_call(req, baseline(), req.reference_path)
+    result = measure(request, req.workdir / "reference", lambda: None)
+    if result["status"] == worker.OUT_OF_MEMORY and req.target.device.startswith("cuda"):
+        # float32 does not fit the card: the same precision, streamed from host memory.
+        request["config"] = {**baseline(), "offload": "sequential"}
+        result = measure(request, req.workdir / "reference-offloaded", lambda: None)
+    if result["status"] != worker.OK:
+        raise AutotuneError(
+            f"the reference output (float32, nothing enabled) could not be generated: "
+            f"{result['status']}: {result.get('error', '')}; --min-psnr 0 tunes without the quality guard"
+        )
+    guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"]}
+    if req.min_psnr_db == "auto":
+        half = {**request["config"], "dtype": "bfloat16"}
+        probe = measure(_one_call(req, half, req.workdir / "precision" / "output.npy"),
+                        req.workdir / "precision", lambda: None)
+        measured = quality.assess(probe, req.reference_path)
+        if measured:
+            guard["bfloat16_psnr_db"] = measured["psnr_db"]
+            threshold = measured["psnr_db"] - quality.AUTO_SLACK_DB
+        else:  # bfloat16 does not run here: the fixed default
+            threshold = quality.DEFAULT_MIN_PSNR_DB
+        guard["min_psnr_db"] = round(min(threshold, quality.AUTO_MAX_DB), 2)
+    else:
+        guard["min_psnr_db"] = float(req.min_psnr_db)
+    return guard
+
+
 def tune(
     req: TuneRequest,
     on_trial: Callable[[TrialRecord], None] | None = None,
@@ -274,6 +332,11 @@ def tune(
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
 
+    guard = study.user_attrs.get("quality_guard")
+    if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
+        guard = calibrate_quality(req, measure)
+        study.set_user_attr("quality_guard", guard)
+    min_psnr_db = guard["min_psnr_db"] if req.min_psnr_db and guard else None
     n_configs = len(space.configs())
     started = time.monotonic()
     duplicates_in_a_row = 0
@@ -322,7 +385,7 @@ def tune(
         if key in done:
             earlier = study.trials[done[key]]
             trial.set_user_attr("result", earlier.user_attrs["result"])
-            _record(trial, earlier.user_attrs["violation"])
+            _record(trial, **earlier.user_attrs["violations"])
             trial.set_user_attr("duplicate_of", earlier.number)
             study.tell(trial, earlier.value)
             duplicates_in_a_row += 1
@@ -341,6 +404,7 @@ def tune(
             "warmup": req.warmup,
             "threads": req.threads,
             "compile_cache_dir": str(req.compile_cache_dir) if req.compile_cache_dir else None,
+            "output_path": str((req.workdir / f"trial-{trial.number:05d}" / "output.npy").resolve()),
         }
         try:
             result = measure(request, req.workdir / f"trial-{trial.number:05d}",
@@ -351,12 +415,21 @@ def tune(
             study.tell(trial, state=TrialState.FAIL)
             study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
             raise
-        v = violation(result, req.budget_bytes, req.margin_bytes)
+        if min_psnr_db:
+            result["quality"] = quality.assess(result, req.reference_path)
+        if result.get("output"):  # the PNG stays; the full-precision array was only for assess
+            Path(result.pop("output")).unlink(missing_ok=True)
         trial.set_user_attr("result", result)
-        _record(trial, v)
+        _record(
+            trial,
+            memory=violation(result, req.budget_bytes, req.margin_bytes),
+            quality=quality.violation(result.get("quality"), min_psnr_db),
+        )
         latency = result.get("latency_s")
         study.tell(trial, latency if result["status"] == worker.OK else math.inf)
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))
 
-    return summarize(study, reason)
+    outcome = summarize(study, reason)
+    outcome.quality_guard = guard if min_psnr_db else None
+    return outcome

@@ -23,6 +23,7 @@ OUT_OF_MEMORY = "out_of_memory"
 UNSUPPORTED = "unsupported"
 COMPILE_ERROR = "compile_error"
 NAN_OUTPUT = "nan_output"
+BLANK_OUTPUT = "blank_output"  # every pixel the same (the black image of an fp16 overflow)
 ERROR = "error"
 TIMEOUT = "timeout"  # set by the parent
 CRASHED = "crashed"  # set by the parent
@@ -44,15 +45,11 @@ def classify(exc: BaseException) -> str:
     return ERROR
 
 
-def _finite(output) -> bool:
-    import numpy as np
-
-    images = np.asarray(output.images)
-    return bool(np.isfinite(images).all())
-
-
 def run(request: dict, started: float = _T0) -> dict:
+    import numpy as np
     import torch
+
+    from . import quality
 
     from .knobs import Target, build_configured
     from .measure import MemoryTracker, timed_calls, warm_up
@@ -107,9 +104,19 @@ def run(request: dict, started: float = _T0) -> dict:
         result["first_call_s"] = warm_times[0]
         result["cold_start_s"] = result["load_s"] + warm_times[0]
         result["warmup_s"] = warm_times
-        if not _finite(output):
-            result["status"] = NAN_OUTPUT
-            result["error"] = "the output holds NaN or inf"
+        images = np.asarray(output.images)
+        if request.get("output_path"):
+            # Kept for the quality guard, which the parent runs: comparing here would add its
+            # imports to this process's peak memory.
+            output_path = Path(request["output_path"])
+            quality.save_output(images, output_path)
+            result["output"] = str(output_path)
+            result["image"] = str(quality.save_png(images, output_path.with_suffix(".png")))
+        problem = quality.defect(images)
+        if problem:
+            result["status"] = problem
+            result["error"] = "the output holds NaN or inf" if problem == NAN_OUTPUT else \
+                "the output image is blank (one value everywhere)"
             return result
         phase = "timed calls"
         result.update(

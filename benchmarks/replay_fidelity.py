@@ -25,10 +25,10 @@ CASES = [  # model, budget: budgets that bite (float32 does not fit under the fi
 ]
 
 
-def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def autotune(*args: str, cwd: Path, ok=(0,)) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "autotune", *args]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
+    if proc.returncode not in ok:
         raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
 
@@ -50,7 +50,7 @@ def main() -> None:
             autotune("--model", model, "--vram", budget, "--trials", args.trials, "--sampler-seed", "0",
                      "--output", f"{model}.yaml", cwd=cwd)
             profile = yaml.safe_load((cwd / f"{model}.yaml").read_text())
-            verify = autotune("verify", f"{model}.yaml", cwd=cwd)
+            verify = autotune("verify", f"{model}.yaml", cwd=cwd, ok=(0, 3))  # 3: over budget
             latency_ratio = replayed(verify.stdout, "latency (median)")
             peak_ratio = replayed(verify.stdout, "peak memory")
             peak = profile["best"]["peak_memory_bytes"] * peak_ratio

@@ -1,0 +1,60 @@
+"""Quality calibration: what each setting alone does to the fixed-seed output, against float32.
+
+For each tiny pipeline: the reference (float32, nothing enabled) once, then one trial per
+setting, each in its own child process through the real worker, with PSNR and SSIM against the
+reference. The default --min-psnr is chosen from this table: precision changes alone must pass.
+
+    python benchmarks/quality_calibration.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from autotune import runner
+from autotune.knobs import baseline
+from autotune.models import resolve_model
+from autotune.quality import DEFAULT_MIN_PSNR_DB, assess
+
+SETTINGS = {
+    "bfloat16": {"dtype": "bfloat16"},
+    "float16": {"dtype": "float16"},
+    "bfloat16 + channels_last + fuse_qkv": {"dtype": "bfloat16", "channels_last": True, "fuse_qkv": True},
+    "vae_tiling": {"vae_tiling": True},
+    "int8 weight-only": {"quantize": "int8wo"},
+    "int8 dynamic": {"quantize": "int8dq"},
+    "bfloat16 + int8 dynamic": {"dtype": "bfloat16", "quantize": "int8dq"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
+    args = parser.parse_args()
+    print(f"| model | setting | PSNR (dB) | SSIM | passes the default {DEFAULT_MIN_PSNR_DB:g} dB |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            spec = resolve_model(name)
+            base = {"model": spec.to_dict(), "workload": spec.default_workload.to_dict(), "device": "cpu",
+                    "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1}
+            reference = Path(tmp) / f"{name}-reference.npy"
+            result = runner.run_trial({**base, "config": baseline(), "output_path": str(reference)},
+                                      Path(tmp) / f"{name}-ref", 900, launcher="fork")
+            assert result["status"] == "ok", result
+            for label, changes in SETTINGS.items():
+                output = Path(tmp) / f"{name}-{label}.npy"
+                request = {**base, "config": {**baseline(), **changes}, "output_path": str(output)}
+                result = runner.run_trial(request, Path(tmp) / f"{name}-{label}", 900, launcher="fork")
+                if result["status"] != "ok":
+                    print(f"| {name} | {label} | {result['status']} | - | no |")
+                    continue
+                q = assess(result, reference)
+                passes = "yes" if q["psnr_db"] >= DEFAULT_MIN_PSNR_DB else "no"
+                print(f"| {name} | {label} | {q['psnr_db']:.1f} | {q['ssim']:.3f} | {passes} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

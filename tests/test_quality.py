@@ -1,0 +1,87 @@
+"""The quality guard: broken outputs fail, lossy settings need a looser tolerance, bfloat16 passes."""
+
+import numpy as np
+import optuna
+import pytest
+import torch
+import yaml
+
+from autotune import quality
+
+TINY_SPACE = "knobs:\n  dtype: [float32, bfloat16]\n  vae_tiling: [false, true]\n"
+FP16_SPACE = "knobs:\n  dtype: [float32, float16]\n"
+
+
+def trials_by_config(tmp_path):
+    url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
+    trials = {}
+    for summary in optuna.get_all_study_summaries(url):
+        study = optuna.load_study(study_name=summary.study_name, storage=url)
+        for t in study.trials:
+            if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs:
+                c = t.user_attrs["config"]
+                trials[(summary.study_name, c["dtype"], c["vae_tiling"])] = t.user_attrs
+    return trials
+
+
+def test_defects_and_metrics():
+    rng = np.random.default_rng(0)
+    image = rng.random((1, 32, 32, 3), dtype=np.float32)
+    assert quality.defect(image) is None
+    assert quality.defect(np.full_like(image, np.nan)) == "nan_output"
+    assert quality.defect(np.zeros_like(image)) == "blank_output"  # the black image of an overflow
+    same = quality.compare(image, image)
+    assert same == {"psnr_db": quality.PSNR_CAP_DB, "ssim": 1.0}
+    noisy = quality.compare(np.clip(image + rng.normal(0, 0.1, image.shape), 0, 1), image)
+    assert 15 < noisy["psnr_db"] < 25 and noisy["ssim"] < 0.99
+    assert quality.violation(noisy, 30.0) > 0 and quality.violation(same, 30.0) < 0
+    assert quality.violation(None, 30.0) == 0 and quality.violation(noisy, None) == 0
+
+
+@pytest.mark.slow
+def test_vae_tiling_is_rejected_by_default_and_accepted_when_loosened_bfloat16_passes(cli, tmp_path):
+    (tmp_path / "space.yaml").write_text(TINY_SPACE)
+    common = ["--model", "tiny-sd3", "--space", "space.yaml", "--trials", "4", "--repeats", "1",
+              "--vram", "4GB", "--threads", "1"]
+    strict = cli(*common, "--study-name", "strict", "-o", "strict.yaml")
+    assert strict.returncode == 0, strict.stderr + strict.stdout
+    assert "quality guard: PSNR against the float32 reference at least" in strict.stdout
+    loose = cli(*common, "--study-name", "loose", "--min-psnr", "15", "-o", "loose.yaml")
+    assert loose.returncode == 0, loose.stderr + loose.stdout
+
+    trials = trials_by_config(tmp_path)
+    for study in ("strict", "loose"):
+        bf16 = trials[(study, "bfloat16", False)]
+        assert bf16["result"]["quality"]["psnr_db"] > 30 and bf16["violations"]["quality"] <= 0
+        assert trials[(study, "float32", False)]["result"]["quality"]["psnr_db"] == quality.PSNR_CAP_DB
+    tiled = trials[("strict", "float32", True)]
+    assert tiled["result"]["status"] == "ok" and tiled["violations"]["quality"] > 0  # seams
+    assert trials[("loose", "float32", True)]["violations"]["quality"] <= 0
+
+    profile = yaml.safe_load((tmp_path / "strict.yaml").read_text())
+    assert profile["quality_guard"]["bfloat16_psnr_db"] > profile["quality_guard"]["min_psnr_db"]
+    assert not profile["best"]["config"]["vae_tiling"]
+    assert all(p["quality"]["psnr_db"] >= profile["quality_guard"]["min_psnr_db"] for p in profile["pareto"])
+    assert (tmp_path / profile["best"]["image"]).exists()  # the chosen point's output, as PNG
+    assert "PSNR" in strict.stdout and "SSIM" in strict.stdout
+
+
+@pytest.mark.slow
+def test_a_float16_overflow_is_rejected(cli, tmp_path):
+    # A pipeline whose VAE overflows float16 (activations past 65504 become inf, then NaN);
+    # float32 normalizes them away. Built offline and saved as a local model folder.
+    from autotune.models import build_pipeline, resolve_model
+
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    with torch.no_grad():
+        pipe.vae.post_quant_conv.weight.mul_(1e5)
+        pipe.vae.post_quant_conv.bias.fill_(1e5)
+    pipe.save_pretrained(tmp_path / "overflowing")
+    (tmp_path / "space.yaml").write_text(FP16_SPACE)
+    proc = cli("--model", "overflowing", "--space", "space.yaml", "--trials", "2", "--repeats", "1",
+               "--vram", "4GB", "--threads", "1", "-o", "p.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "nan_output" in proc.stdout
+    profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert profile["best"]["config"]["dtype"] == "float32"
+    assert all(p["config"]["dtype"] != "float16" for p in profile["pareto"])
