@@ -44,6 +44,10 @@ def print_space(space, target, out: Console | None = None) -> None:
     rules = [str(r) for r in space.forbid]
     if rules:
         out.print("forbidden combinations: " + "; ".join(rules))
+    seeds = space.seed_configs()
+    if seeds:
+        out.print(escape("seeds, measured first after the baseline: "
+                         + "; ".join(config_changes(c) for c in seeds)))
 
 
 def print_header(out: Console, request, space) -> None:

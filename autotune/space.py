@@ -10,6 +10,8 @@ A space file (search_spaces/*.yaml) names knobs of the catalogue and the choices
       quantize: {choices: [none, int8wo], when: {dtype: bfloat16}}   # searched only when active
     forbid:
       - {quantize: int8dq, compile: none} # a partial config never to measure
+    seeds:                                # measured first, right after the baseline
+      - {dtype: bfloat16, fuse_qkv: true, channels_last: true}
 
 Knobs a space leaves out stay at the baseline's value. Every dimension keeps the baseline's value
 among its choices, so the default pipeline is a point of every space.
@@ -55,12 +57,16 @@ class SearchSpace:
     forbid: list[dict] = field(default_factory=list)
     source: str = "<memory>"
     dropped: list[Dropped] = field(default_factory=list)
+    # Expert starting points (partial configs, e.g. the guides' fast stack and a low-memory
+    # fallback): a good feasible point early, before the sampler has learnt anything.
+    seeds: list[dict] = field(default_factory=list)
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path) -> "SearchSpace":
-        knobs, forbid = _read_layers(Path(path), seen=())
-        return cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path))
+        knobs, forbid, seeds = _read_layers(Path(path), seen=())
+        return cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path),
+                   seeds=_forbid_rules(seeds, path, section="seeds"))
 
     @classmethod
     def for_model(cls, spec) -> "SearchSpace":
@@ -88,7 +94,7 @@ class SearchSpace:
                     kept.append(value)
             if len(kept) > 1:
                 dims.append(Dimension(dim.name, tuple(kept), dim.when))
-        return SearchSpace(dims, self.forbid, self.source, dropped)
+        return SearchSpace(dims, self.forbid, self.source, dropped, self.seeds)
 
     # ---- configs -------------------------------------------------------------------------------
     def normalize(self, partial: Config) -> Config:
@@ -119,6 +125,20 @@ class SearchSpace:
         return {
             d.name: config[d.name] for d in self.dimensions if d.when is None or matches(d.when, config)
         }
+
+    def seed_configs(self) -> list[Config]:
+        """The seeds as full configs of this space: choices it does not hold (dropped on this
+        machine, or not searched) fall back to the baseline's; forbidden and repeated ones go."""
+        seen, out = {config_key(baseline())}, []
+        for seed in self.seeds:
+            allowed = {d.name: d.choices for d in self.dimensions}
+            partial = {k: v for k, v in seed.items() if v in allowed.get(k, ())}
+            config = self.normalize(partial)
+            key = config_key(config)
+            if key not in seen and not self.forbidden(config):
+                seen.add(key)
+                out.append(config)
+        return out
 
     def configs(self) -> list[Config]:
         """Every distinct config this space allows, baseline first."""
@@ -154,12 +174,12 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         raise SpaceError(f"search space {path}: not valid YAML{at}") from None
     if not isinstance(data, dict):
         raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
-    unknown = set(data) - {"extends", "knobs", "forbid"}
+    unknown = set(data) - {"extends", "knobs", "forbid", "seeds"}
     if unknown:
         raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(unknown))}")
-    knobs, forbid = {}, []
+    knobs, forbid, seeds = {}, [], []
     if data.get("extends"):
-        knobs, forbid = _read_layers(path.parent / str(data["extends"]), seen + (path,))
+        knobs, forbid, seeds = _read_layers(path.parent / str(data["extends"]), seen + (path,))
     own = data.get("knobs") or {}
     if not isinstance(own, dict):
         raise SpaceError(f"search space {path}: 'knobs' must be a mapping of knob: choices")
@@ -167,7 +187,11 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
     more = data.get("forbid") or []
     if not isinstance(more, list):
         raise SpaceError(f"search space {path}: 'forbid' must be a list of partial configs")
-    return knobs, forbid + more
+    if "seeds" in data:  # a file's own seeds replace the ones it extends
+        seeds = data["seeds"] or []
+        if not isinstance(seeds, list):
+            raise SpaceError(f"search space {path}: 'seeds' must be a list of partial configs")
+    return knobs, forbid + more, seeds
 
 
 def _check_value(name: str, value, path) -> None:
@@ -210,11 +234,14 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
     return dims
 
 
-def _forbid_rules(rules: list, path) -> list[dict]:
+def _forbid_rules(rules: list, path, section: str = "forbid") -> list[dict]:
+    """Partial configs (forbid rules, seeds), each knob and value checked against the catalogue."""
     for rule in rules:
         if not isinstance(rule, dict) or not rule:
-            raise SpaceError(f"search space {path}: each 'forbid' entry must be a mapping of knob: value")
+            raise SpaceError(f"search space {path}: each '{section}' entry must be a mapping of knob: value")
         for name, value in rule.items():
+            if section == "seeds" and isinstance(value, list):
+                raise SpaceError(f"search space {path}: a seed names one value per knob ({name}: {value})")
             for v in value if isinstance(value, list) else [value]:
                 _check_value(name, v, path)
     return rules

@@ -331,6 +331,8 @@ def tune(
     space = req.space
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
+        for config in space.seed_configs():
+            study.enqueue_trial(space.params(config), user_attrs={"seed": True})
 
     guard = study.user_attrs.get("quality_guard")
     if req.min_psnr_db and (guard is None or not req.reference_path.exists()):

@@ -119,3 +119,27 @@ def test_tiny_models_get_their_own_space_without_compile():
         names = [d.name for d in space.dimensions]
         assert "compile" not in names and "dtype" in names
     assert SearchSpace.for_model(resolve_model("sdxl")).source.endswith("sdxl.yaml")
+
+
+def test_seeds_become_full_configs_of_the_space_on_this_machine(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "knobs:\n  dtype: [float32, bfloat16]\n  offload: [none, model]\n  fuse_qkv: [false, true]\n"
+        "  attention: [sdpa, sliced]\n"
+        "seeds:\n  - {dtype: bfloat16, offload: model}\n  - {dtype: bfloat16}\n"
+        "  - {fuse_qkv: true, attention: sliced}\n  - {dtype: float32}\n"
+    )
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nknobs:\n  vae_tiling: [false, true]\n")
+    space = SearchSpace.from_file(tmp_path / "child.yaml").restrict(Target(device="cpu", family="sd15"))
+    seeds = space.seed_configs()
+    # offload is dropped on a CPU: the first seed falls back to plain bfloat16, the second repeats
+    # it, the third is a known conflict (slicing undoes fused QKV), the fourth is the baseline.
+    assert seeds == [{**baseline(), "dtype": "bfloat16"}]
+
+
+def test_a_seed_must_name_one_known_value_per_knob(tmp_path):
+    (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\nseeds:\n  - {dtype: [bfloat16]}\n")
+    with pytest.raises(SpaceError, match="one value per knob"):
+        SearchSpace.from_file(tmp_path / "s.yaml")
+    (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32]\nseeds:\n  - {dtype: float8}\n")
+    with pytest.raises(SpaceError, match="float8"):
+        SearchSpace.from_file(tmp_path / "s.yaml")
