@@ -34,10 +34,12 @@ DPI = 100
 CLASS_COLORS = {
     "ok": "#2ca02c",
     "over budget": "#ff7f0e",
+    "low quality": "#bcbd22",  # ran, but its output is too far from the float32 reference
     "out_of_memory": "#d62728",
     "unsupported": "#7f7f7f",
     "compile_error": "#9467bd",
     "nan_output": "#8c564b",
+    "blank_output": "#a0522d",
     "error": "#800000",
     "timeout": "#e377c2",
     "crashed": "#000000",
@@ -45,7 +47,7 @@ CLASS_COLORS = {
     "duplicate": "#c7c7c7",
     "forbidden": "#dbdb8d",
 }
-FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "error", "timeout",
+FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
             "crashed", "interrupted")
 
 
@@ -145,7 +147,10 @@ def trial_class(frozen) -> str | None:
     if not result:
         return "error"
     if result["status"] == "ok":
-        return "ok" if attrs.get("violation", 0) <= 0 else "over budget"
+        if attrs.get("violation", 0) <= 0:
+            return "ok"
+        quality_only = attrs.get("violations", {}).get("memory", 0) <= 0
+        return "low quality" if quality_only else "over budget"
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 
