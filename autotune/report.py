@@ -17,7 +17,6 @@ scripts and tests can read back what was drawn.
 from __future__ import annotations
 
 import html
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
