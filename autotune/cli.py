@@ -118,6 +118,8 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="measured trials the study should hold (default 16)")
     s.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                    help="start no new trial after this long")
+    s.add_argument("--patience", type=_positive_int, metavar="N",
+                   help="stop early when the best has not improved by 1%% in N measured trials")
     s.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
                    help="kill a trial after this long (default 1200)")
     s.add_argument("--repeats", type=_positive_int, default=3,
@@ -259,7 +261,8 @@ def _tune(args) -> int:
     request = TuneRequest(
         spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
-        timeout_s=args.timeout, trial_timeout_s=args.trial_timeout, margin=args.margin,
+        timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
+        margin=args.margin,
         repeats=args.repeats, max_calls=max(args.max_calls, args.repeats), spread_limit=args.spread,
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),

@@ -48,6 +48,7 @@ class TuneRequest:
     trials: int  # measured trials the study should hold when done
     workdir: Path  # per-trial request/result/log files
     timeout_s: float | None = None
+    patience: int | None = None  # stop when the best has not improved (by 1%) for this many trials
     trial_timeout_s: float = 1200.0
     margin: str = "0"  # safety margin ("5%", "512MB"): a config fits when peak + margin <= budget
     repeats: int = 3  # timed calls at least, and the window whose spread must be under spread_limit
@@ -264,6 +265,17 @@ def measure_in_child(req: TuneRequest) -> Measure:
     return measure
 
 
+def trials_since_improvement(study: optuna.Study, by: float = 0.01) -> int:
+    """Measured trials since the best feasible latency last improved by more than `by`
+    (all of them when none is feasible yet)."""
+    best, since = math.inf, 0
+    for record in summarize(study).records:
+        since += 1
+        if record.feasible and record.latency_s < best * (1 - by):
+            best, since = record.latency_s, 0
+    return since
+
+
 def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
     return {
         "model": req.spec.to_dict(),
@@ -361,6 +373,10 @@ def tune(
             break
         if req.timeout_s is not None and time.monotonic() - started > req.timeout_s:
             reason = f"--timeout {req.timeout_s:.0f} s reached"
+            break
+        stale = trials_since_improvement(study)
+        if req.patience and stale >= req.patience:
+            reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
             break
         if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
             reason = "the sampler keeps proposing configurations measured already"
