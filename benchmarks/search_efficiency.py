@@ -28,6 +28,7 @@ Strategies:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from autotune import study as study_mod
 from autotune.fingerprint import machine, software
 from autotune.knobs import Target, baseline
 from autotune.models import ModelSpec, resolve_model
-from autotune.space import Dimension, SearchSpace, config_key
+from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
 from autotune.workload import Workload
 
 HERE = Path(__file__).resolve().parent
@@ -59,7 +60,7 @@ RESULTS = HERE / "results"
 # batch > 1: a no-op here that would double the table with copies) and vae_tiling (acts at 256 px
 # on the tiny VAE, but costs ~15 s a call on this CPU: the table would take hours).
 DEFAULT_KNOBS = ("dtype", "fuse_qkv", "quantize", "channels_last", "attention")
-STRATEGIES = ("ours", "tpe-default", "random", "grid")
+STRATEGIES = ("ours", "ours+seeds", "tpe-default", "random", "grid")
 WITHIN = 0.05  # "near the optimum": latency within 5% of the best feasible one
 
 
@@ -206,8 +207,9 @@ def auto_budgets(table: Table) -> list[int]:
     return list(dict.fromkeys(b for b in budgets if table.feasible(b)))
 
 
-def run_ours(table: Table, budget: int, seed: int, max_trials: int) -> list[str]:
-    """The real tune loop on the table; returns the distinct configs measured, in order."""
+def run_ours(table: Table, budget: int, seed: int, max_trials: int, seeds: list | None = None) -> list[str]:
+    """The real tune loop on the table; returns the distinct configs measured, in order.
+    `seeds`: expert starting points (partial configs) measured right after the baseline."""
     order: list[str] = []
 
     def lookup(request: dict, trial_dir: Path, tick: Callable[[], None]) -> dict:
@@ -217,7 +219,8 @@ def run_ours(table: Table, budget: int, seed: int, max_trials: int) -> list[str]
         return table.result(request["config"])
 
     req = study_mod.TuneRequest(
-        spec=table.spec, workload=table.workload, budget_bytes=budget, space=table.space,
+        spec=table.spec, workload=table.workload, budget_bytes=budget,
+        space=dataclasses.replace(table.space, seeds=seeds or []),
         target=Target(device=table.device, family=table.spec.family), storage="memory",
         study_name=f"replay-{seed}", trials=max_trials, workdir=Path(tempfile.gettempdir()) / "unused",
         seed=seed, min_psnr_db=None,  # the table holds latency and memory, no images
@@ -303,6 +306,9 @@ def _quiet(factory, seed):
 def strategy(name: str):
     if name == "ours":
         return run_ours
+    if name == "ours+seeds":  # with the shipped expert seeds (search_spaces/default.yaml)
+        seeds = SearchSpace.from_file(SHIPPED_DIR / "default.yaml").seeds
+        return lambda t, b, s, n: run_ours(t, b, s, n, seeds=seeds)
     if name.startswith("ours:"):
         return run_ours_with(VARIANTS[name.split(":", 1)[1]])
     if name == "tpe-default":

@@ -211,9 +211,13 @@ def all_trials(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
-    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3"]
+    # --spread 0.0001: every trial makes --max-calls timed calls, so trial 1 is surely running
+    # when the signal comes (tiny-sd15 calls take under half a second).
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3",
+            "--max-calls", "8", "--spread", "0.0001"]
     proc = start_cli(tmp_path, *args)
     wait_for_trial_dir(tmp_path, 1)  # trial 0 measured, trial 1 running
+    assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
@@ -232,9 +236,11 @@ def test_a_killed_parent_leaves_a_trial_that_the_next_run_retries(tmp_path):
     from autotune.study import GRACE_S
 
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
-    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3"]
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3",
+            "--max-calls", "8", "--spread", "0.0001"]
     proc = start_cli(tmp_path, *args)
     wait_for_trial_dir(tmp_path, 1)
+    assert proc.poll() is None
     proc.kill()  # SIGKILL: no handler runs, trial 1 stays RUNNING in the storage
     proc.communicate(timeout=60)
     assert all_trials(tmp_path)[1].state == optuna.trial.TrialState.RUNNING
