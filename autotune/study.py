@@ -1,10 +1,11 @@
 """The Optuna study: propose configs, measure each in a child process, record what was measured.
 
-Objective: latency (seconds, minimized). Constraint (seen by the sampler): peak memory against the
-budget, as a relative violation (> 0 is infeasible). A trial that ran out of memory, crashed or
+Objective: latency (seconds, minimized). Constraints (seen by the sampler): peak memory plus the
+safety margin against the budget, and the output's PSNR against the study's float32 reference
+(quality.py), each as a relative violation (> 0 is infeasible). A trial that ran out of memory, crashed or
 produced NaN completes as infeasible instead of failing, so the sampler learns from it. A config
 the rules forbid is told as pruned (infeasible) without being measured; a config measured already
-is not measured again.
+is not measured again. A fresh study measures the baseline first, then the space's seeds.
 """
 
 from __future__ import annotations
