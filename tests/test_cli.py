@@ -189,8 +189,11 @@ def test_a_written_profile_reproduces_its_state_in_a_fresh_process(cli, tmp_path
 
 def start_cli(tmp_path, *args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # SIGINT back to its default in the child, as in a terminal: a shell starting the tests as a
+    # background job hands them SIGINT ignored, and Python then keeps ignoring it.
     return subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_trial_dir(tmp_path, number, timeout=300):
