@@ -47,6 +47,18 @@ class Knob:
     help: str
     apply: Apply
     unavailable: Availability = field(default=always)
+    # Where a choice is known to need no less device memory than another, all else equal: a
+    # rank per choice, higher needing more (offload "none" > "model" > "sequential"). Knobs
+    # whose choices trade memory both ways (compile, attention kernels) leave it None. The study
+    # uses it to skip configs that only add memory to one that ran out (study.memory_dominated).
+    memory_rank: dict | None = None
+
+    def needs_no_less_memory(self, value: Any, than: Any) -> bool:
+        """Whether `value` is known to need at least the device memory `than` needs."""
+        if value == than:
+            return True
+        rank = self.memory_rank or {}
+        return value in rank and than in rank and rank[value] >= rank[than]
 
     def check(self, value: Any) -> None:
         if value not in self.choices:

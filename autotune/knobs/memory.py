@@ -17,6 +17,7 @@ VAE_SLICING = Knob(
     default=False,
     help="decode the batch one image at a time (acts only for batch_size > 1)",
     apply=_apply_vae_slicing,
+    memory_rank={False: 1, True: 0},
 )
 
 
@@ -32,6 +33,7 @@ VAE_TILING = Knob(
     default=False,
     help="decode in overlapping tiles (acts only above the VAE's sample size)",
     apply=_apply_vae_tiling,
+    memory_rank={False: 1, True: 0},
 )
 
 # Offload moves weights between host and device memory with accelerate hooks, so the pipeline is
@@ -61,4 +63,5 @@ OFFLOAD = Knob(
     help="keep weights in host memory and move them to the device per model or per layer",
     apply=_apply_offload,
     unavailable=_offload_unavailable,
+    memory_rank={"none": 2, "model": 1, "sequential": 0},  # whole pipeline, one model, one layer
 )
