@@ -127,13 +127,17 @@ class SearchSpace:
         }
 
     def seed_configs(self) -> list[Config]:
-        """The seeds as full configs of this space: choices it does not hold (dropped on this
-        machine, or not searched) fall back to the baseline's; forbidden and repeated ones go."""
+        """The space's seeds as full configs of this space (see `fit`)."""
+        return self.fit(self.seeds)
+
+    def fit(self, partials: list[Config]) -> list[Config]:
+        """Partial configs (seeds, an earlier study's front) as full configs of this space:
+        choices it does not hold (dropped on this machine, or not searched) fall back to the
+        baseline's; the baseline itself, forbidden and repeated ones go."""
         seen, out = {config_key(baseline())}, []
-        for seed in self.seeds:
-            allowed = {d.name: d.choices for d in self.dimensions}
-            partial = {k: v for k, v in seed.items() if v in allowed.get(k, ())}
-            config = self.normalize(partial)
+        allowed = {d.name: d.choices for d in self.dimensions}
+        for partial in partials:
+            config = self.normalize({k: v for k, v in partial.items() if v in allowed.get(k, ())})
             key = config_key(config)
             if key not in seen and not self.forbidden(config):
                 seen.add(key)
