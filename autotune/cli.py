@@ -1,5 +1,6 @@
-"""The command line: `autotune --model sdxl --vram 8GB`, `autotune show|verify PROFILE`, and
-`autotune report ... --out DIR` (report.py: charts comparing studies).
+"""The command line: `autotune --model sdxl --vram 8GB`, `autotune show|verify PROFILE`,
+`autotune export --study-name NAME` (the profile of a shared study), and `autotune report ...
+--out DIR` (report.py: charts comparing studies).
 
 Every error a user can cause ends as one line on stderr and a non-zero exit code:
 1 bad input or an unusable file, 2 bad usage, 3 nothing fits the budget, 130 interrupted.
@@ -87,7 +88,8 @@ def tune_parser() -> argparse.ArgumentParser:
         prog="autotune",
         description="Find the fastest diffusers configuration that fits a memory budget, by "
         "measuring each candidate in its own process; write it as a profile production loads.",
-        epilog="Other commands: autotune show PROFILE | autotune verify PROFILE",
+        epilog="Other commands: autotune show PROFILE | autotune verify PROFILE | "
+        "autotune export --study-name NAME [--storage URL] | autotune report ... --out DIR",
     )
     m = p.add_argument_group("model and workload (defaults come from the model)")
     m.add_argument("--model", default="tiny-sdxl", help="an alias (sdxl, sd15, sd3, flux-dev, "
@@ -110,6 +112,9 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="safety margin kept free under the budget: a config fits when its peak "
                    "plus the margin is within the budget, e.g. 5%%, 512MB, 0 (default 5%%)")
     b.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
+    b.add_argument("--gpus", type=_gpu_list, metavar="0,1,...",
+                   help="one worker per GPU, each trial pinned to its worker's GPU, all in one study "
+                   "(the GPUs must be of one model)")
     s = p.add_argument_group("search")
     s.add_argument("--space", type=Path, help="a search-space YAML (default: the model family's)")
     s.add_argument("--list-knobs", action="store_true",
@@ -137,6 +142,9 @@ def tune_parser() -> argparse.ArgumentParser:
                    "than this PSNR (dB) from the float32 reference; 'auto' (default) calibrates it "
                    "on what bfloat16 alone does, less 6 dB; lower it to let lossy settings in; 0 "
                    "turns the guard off")
+    s.add_argument("--warm-start", action="append", default=[], metavar="PROFILE_OR_STUDY",
+                   help="measure first the front of an earlier study (another budget, a similar "
+                   "GPU): a profile file, NAME@STORAGE_URL, or a study NAME in --storage; repeatable")
     s.add_argument("--sampler-seed", type=int, help="seed of the sampler, for repeatable runs")
     s.add_argument("--launcher", choices=("fork", "spawn"),
                    help="start trials forked from a preloaded server (fast) or as fresh "
@@ -148,7 +156,20 @@ def tune_parser() -> argparse.ArgumentParser:
                    "from model, workload, budget, device and space)")
     o.add_argument("--output", "-o", type=Path,
                    help="profile path (default: MODEL-BUDGET.yaml in the current folder)")
+    o.add_argument("--no-profile", action="store_true",
+                   help="measure only (a worker of a shared study); write the profile later with "
+                   "autotune export")
     return p
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of GPU indices such as 0,1") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"'{text}': expected distinct GPU indices such as 0,1")
+    return gpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
+        if argv and argv[0] == "export":
+            return _export(argv[1:])
         if argv and argv[0] == "report":
             from .report import main as report_main
 
             return report_main(argv[1:])
-        return _tune(tune_parser().parse_args(argv))
+        return _tune(tune_parser().parse_args(argv), argv)
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -218,23 +241,24 @@ def _study_name(spec, workload, budget, device, space, margin: int, threads: int
             f"-{w.height}x{w.width}-{w.steps}s-b{w.batch_size}-{digest}")
 
 
-def _tune(args) -> int:
+def _tune(args, argv: list[str]) -> int:
     from dataclasses import replace
 
     from . import console, fingerprint
-    from . import profile as profile_io
     from .errors import SpaceError
     from .knobs import Target
     from .models import resolve_model
     from .runner import default_launcher
     import torch
 
-    from .sizes import format_size, parse_margin, short_size
+    from .sizes import parse_margin, short_size
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
     spec = resolve_model(args.model, random_weights=args.random_weights)
-    device = _resolve_device(args.device)
+    device = _resolve_device("cuda" if args.gpus else args.device)
+    if args.gpus:
+        _check_gpus(args.gpus)
     workload = spec.default_workload
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
@@ -248,7 +272,8 @@ def _tune(args) -> int:
         console.print_space(space, target)
         return 0
 
-    budget = args.budget or fingerprint.device_memory_bytes(device)
+    machine = fingerprint.machine(device)
+    budget = args.budget or machine["memory_bytes"]
     margin = parse_margin(args.margin, budget)
     threads = args.threads or torch.get_num_threads()
     storage = args.storage or _default_storage()
@@ -267,9 +292,13 @@ def _tune(args) -> int:
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(DEFAULT_STORAGE_DIR / "compile-cache" / study_name).resolve(),
+        warm_start=_warm_start_configs(args.warm_start, storage),
+        hardware=machine["name"], machine=machine,
     )
     out = console.terminal()
     console.print_header(out, request, space)
+    if args.gpus:
+        return _tune_on_gpus(out, request, args, argv, output)
     try:
         with console.TrialProgress(out, request.trials) as progress:
             outcome = tune(request, on_trial=progress.update)
@@ -278,17 +307,160 @@ def _tune(args) -> int:
                   f"{study_name}); run the same command to resume")
         return EXIT_INTERRUPTED
     console.print_summary(out, outcome, budget, request.margin_bytes)
+    if outcome.measured_here != len(outcome.records):
+        out.print(f"this worker measured {outcome.measured_here} of the study's "
+                  f"{len(outcome.records)} trials; other workers measured the rest")
+    if args.no_profile:
+        out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
+                  f"--storage {storage}")
+        return 0 if outcome.best else EXIT_NO_FIT
+    return _write_profile(out, request, outcome, output)
+
+
+def _write_profile(out, request, outcome, output: Path) -> int:
+    from . import profile as profile_io
+    from .sizes import format_size
+
     if outcome.best is None:
         smallest = outcome.smallest_peak_bytes
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
             "no trial completed a measurement"
-        print(f"autotune: error: no configuration fits {format_size(budget)}: {seen}; "
+        print(f"autotune: error: no configuration fits {format_size(request.budget_bytes)}: {seen}; "
               "no profile written", file=sys.stderr)
         return EXIT_NO_FIT
-    document = profile_io.build(request, outcome, storage_label=storage)
+    document = profile_io.build(request, outcome, storage_label=request.storage)
     path = profile_io.save(document, output)
     out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
     return 0
+
+
+def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
+    """The configs of earlier fronts: from profile files, or from studies (NAME@URL or NAME)."""
+    from .errors import AutotuneError
+    from .profile import load_profile
+    from .study import open_storage, summarize
+    import optuna
+
+    configs: list[dict] = []
+    for source in sources:
+        if Path(source).is_file():
+            profile = load_profile(source)
+            configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]
+            continue
+        name, _, url = source.partition("@")
+        try:
+            study = optuna.load_study(study_name=name, storage=open_storage(url or storage))
+        except KeyError:
+            raise AutotuneError(f"--warm-start {source}: no such profile file, nor a study {name!r} "
+                                f"in {url or storage}") from None
+        configs += [record.config for record in summarize(study).front]
+    return configs
+
+
+def _check_gpus(gpus: list[int]) -> None:
+    """Every GPU named exists, and all are of one model: a study holds one model's timings."""
+    from . import fingerprint
+    from .errors import AutotuneError
+
+    count = fingerprint.cuda_device_count()
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise AutotuneError(f"--gpus: no GPU {', '.join(map(str, missing))} (this machine has {count})")
+    names = {g: fingerprint.machine(f"cuda:{g}")["name"] for g in gpus}
+    if len(set(names.values())) > 1:
+        listed = ", ".join(f"{g}: {n}" for g, n in names.items())
+        raise AutotuneError(f"--gpus: the GPUs are of different models ({listed}); a study measures "
+                            "one model: run one study per model")
+
+
+def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
+    """One worker process per GPU, all in the request's study. Each worker is this command
+    without --gpus, with CUDA_VISIBLE_DEVICES naming its GPU, so its trials see that GPU alone;
+    the study is set up (quality reference) once here first, and the profile written here last."""
+    import os
+    import subprocess
+
+    from .study import open_storage, prepare, summarize
+    import optuna
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpus[0])  # the set-up's reference runs here
+    prepare(request)
+    del os.environ["CUDA_VISIBLE_DEVICES"]
+    rest = _without_option(argv, "--gpus")
+    logs = request.workdir / "workers"
+    logs.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for gpu in args.gpus:
+        log = open(logs / f"gpu{gpu}.log", "wb")
+        command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
+                   request.study_name, "--storage", request.storage, "--no-profile"]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        workers.append((gpu, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        out.print(f"worker on GPU {gpu} started (log: {logs / f'gpu{gpu}.log'})")
+    interrupted = False
+    for gpu, log, proc in workers:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # the workers got the Ctrl-C too; let them keep their trials
+                interrupted = True
+        log.close()
+        out.print(f"worker on GPU {gpu} ended (exit {code})")
+    if interrupted:
+        out.print(f"interrupted: the measured trials are kept in {request.storage} (study "
+                  f"{request.study_name}); run the same command to resume")
+        return EXIT_INTERRUPTED
+    study = optuna.load_study(study_name=request.study_name, storage=open_storage(request.storage))
+    outcome = summarize(study, f"{len(args.gpus)} workers done")
+    guard = study.user_attrs.get("quality_guard")
+    outcome.quality_guard = guard if request.min_psnr_db else None
+    from . import console
+
+    console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
+    return _write_profile(out, request, outcome, output)
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def _export(argv: list[str]) -> int:
+    """Write the profile of a stored study, from any machine that reaches its storage."""
+    from . import console
+    from .study import open_storage, request_of, summarize
+    from .errors import AutotuneError
+    from .sizes import short_size
+    import optuna
+
+    p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
+    p.add_argument("--study-name", required=True)
+    p.add_argument("--storage", help=f"Optuna storage URL (default: sqlite:///{DEFAULT_STORAGE_DIR}/studies.db)")
+    p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
+    args = p.parse_args(argv)
+    storage = args.storage or f"sqlite:///{DEFAULT_STORAGE_DIR / 'studies.db'}"
+    if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).exists():
+        raise AutotuneError(f"no study {args.study_name!r}: {storage} does not exist")
+    try:
+        study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage))
+    except KeyError:
+        raise AutotuneError(f"no study {args.study_name!r} in {storage}") from None
+    request = request_of(study, storage)
+    outcome = summarize(study, "exported from the stored study")
+    guard = study.user_attrs.get("quality_guard")
+    outcome.quality_guard = guard if request.min_psnr_db else None
+    out = console.terminal()
+    console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
+    output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")
+    return _write_profile(out, request, outcome, output)
 
 
 def _default_storage() -> str:

@@ -50,6 +50,15 @@ def cuda_available() -> bool:
         return False
 
 
+def cuda_device_count() -> int:
+    """GPUs the driver sees (NVML: no CUDA context in the tuning parent); 0 without a driver."""
+    if not cuda_available():
+        return 0
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetCount())
+
+
 def machine(device: str) -> dict:
     if device.startswith("cuda"):
         import pynvml

@@ -59,7 +59,8 @@ def _point(record, budget_bytes: int) -> dict:
 
 
 def build(req, outcome, storage_label: str) -> dict:
-    """The profile document for a finished study (`study.TuneRequest`, `study.StudyOutcome`)."""
+    """The profile document for a finished study (`study.TuneRequest`, `study.StudyOutcome`).
+    The machine is the one the study recorded (an export may run elsewhere), else this one."""
     budget = req.budget_bytes
     best = _point(outcome.best, budget)
     best["speedup_vs_baseline"] = (
@@ -80,7 +81,7 @@ def build(req, outcome, storage_label: str) -> dict:
             "spread_limit": req.spread_limit,
         },
         "quality_guard": outcome.quality_guard,  # reference and PSNR threshold, None when off
-        "machine": fingerprint.machine(req.target.device),
+        "machine": req.machine or fingerprint.machine(req.target.device),
         "software": fingerprint.software(),
         "best": best,
         "baseline": _point(outcome.baseline, budget) if outcome.baseline and outcome.baseline.latency_s else None,

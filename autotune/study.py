@@ -5,12 +5,22 @@ safety margin against the budget, and the output's PSNR against the study's floa
 (quality.py), each as a relative violation (> 0 is infeasible). A trial that ran out of memory, crashed or
 produced NaN completes as infeasible instead of failing, so the sampler learns from it. A config
 the rules forbid is told as pruned (infeasible) without being measured; a config measured already
-is not measured again. A fresh study measures the baseline first, then the space's seeds.
+is not measured again, nor one that only adds memory to a config that ran out of it
+(`memory_dominated`). A fresh study measures the baseline first, then an earlier study's front
+(--warm-start), then the space's seeds.
+
+Several workers (processes, GPUs, machines) may share one study through its storage: each asks for
+the next config, skips one another worker is measuring, and waits for the others' trials before it
+reports the study done. A worker that dies leaves its trial RUNNING without heartbeats; the next
+worker to look fails it and queues its config again (RDB storages through Optuna's heartbeat,
+journal files through a heartbeat kept here as a trial attribute).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,14 +32,18 @@ from optuna.trial import TrialState
 
 from . import quality, runner, worker
 from .errors import AutotuneError
-from .knobs import Config, Target, baseline
+from .knobs import CATALOGUE, Config, Target, baseline
 from .models import ModelSpec
 from .sizes import parse_margin
 from .space import SearchSpace, config_key
 from .workload import Workload
 
 HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial runs
-GRACE_S = 20  # a RUNNING trial without a heartbeat for this long was orphaned: failed, retried
+# A RUNNING trial without a heartbeat for this long was orphaned: failed, retried. The environment
+# variable shortens it for the tests that kill workers.
+GRACE_S = float(os.environ.get("AUTOTUNE_STALE_AFTER_S", 20))
+MAX_RETRIES = 2
+WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study  # an orphaned trial is measured again at most this often
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -67,6 +81,11 @@ class TuneRequest:
         return self.workdir / "reference.npy"
     seed: int | None = None
     launcher: str = "spawn"  # runner.LAUNCHERS
+    warm_start: list = field(default_factory=list)  # configs to measure first (an earlier front)
+    # The device model (GPU or CPU name). A study holds measurements of one model only: workers
+    # on another refuse to join it. None: not checked (replays of stored tables).
+    hardware: str | None = None
+    machine: dict | None = None  # fingerprint.machine(), kept with the study for `export`
 
 
     @property
@@ -107,6 +126,7 @@ class StudyOutcome:
     front: list[TrialRecord] = field(default_factory=list)  # feasible Pareto front, by memory
     counts: dict = field(default_factory=dict)
     quality_guard: dict | None = None  # reference, threshold and how it was calibrated
+    measured_here: int = 0  # trials this worker measured (the others measured the rest)
 
     @property
     def smallest_peak_bytes(self) -> int | None:
@@ -124,22 +144,44 @@ def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
+    """The storage behind a URL, or one clear AutotuneError (bad URL, server down, no driver).
+
+    RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
     killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
-    if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend
+    try:
+        if url.startswith("journal:"):
+            from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
-            url,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=GRACE_S,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2),
-        )
+            return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
+        return _rdb_storage(url)
+    except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise AutotuneError(f"storage {url}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+
+
+def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    from sqlalchemy.exc import IntegrityError
+
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url,
+                    heartbeat_interval=HEARTBEAT_S,
+                    grace_period=GRACE_S,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=MAX_RETRIES),
+                )
+        except IntegrityError:
+            # Workers starting together on an empty PostgreSQL database race to create Optuna's
+            # tables (duplicate key in pg_type); the loser finds them made a moment later.
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _record(trial: optuna.Trial, memory: float, quality: float = 0.0) -> None:
@@ -170,25 +212,44 @@ def make_sampler(seed: int | None) -> optuna.samplers.BaseSampler:
 
 
 def _heartbeat(storage, trial) -> None:
-    # RDB storages can record heartbeats (optuna keeps BaseHeartbeat private); journals cannot.
+    # RDB storages record heartbeats themselves (optuna keeps BaseHeartbeat private). Optuna's
+    # journal storage has none, so for it the heartbeat is a trial attribute (a journal line).
     if hasattr(storage, "record_heartbeat"):
         storage.record_heartbeat(trial._trial_id)
+    elif isinstance(storage, optuna.storages.JournalStorage):
+        storage.set_trial_user_attr(trial._trial_id, "heartbeat_at", time.time())
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
+    storage = study._storage
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
+        optuna.storages.fail_stale_trials(study)  # RDB storages: heartbeats, then a retry
+        if not isinstance(storage, optuna.storages.JournalStorage):
+            return
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
+        now = time.time()
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = frozen.user_attrs.get("heartbeat_at") or frozen.datetime_start.timestamp()
+            if now - beat < GRACE_S:
+                continue
+            try:
+                storage.set_trial_state_values(frozen._trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker failed it first
+            retry(study, storage.get_trial(frozen._trial_id))
 
 
-def load_study(storage: str, study_name: str, seed: int | None = None) -> optuna.Study:
-    return optuna.create_study(
-        storage=open_storage(storage),
-        study_name=study_name,
-        direction="minimize",
-        sampler=make_sampler(seed),
-        load_if_exists=True,
-    )
+def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
+    """The study, and whether this call created it. Of several workers starting at once exactly
+    one creates it (the storage refuses a second study of the same name): that one seeds it."""
+    backend = open_storage(storage)
+    try:
+        study = optuna.create_study(storage=backend, study_name=study_name, direction="minimize",
+                                    sampler=make_sampler(seed))
+        return study, True
+    except optuna.exceptions.DuplicatedStudyError:
+        return optuna.load_study(storage=backend, study_name=study_name, sampler=make_sampler(seed)), False
 
 
 def record_of(frozen: optuna.trial.FrozenTrial) -> TrialRecord | None:
@@ -277,6 +338,27 @@ def trials_since_improvement(study: optuna.Study, by: float = 0.01) -> int:
     return since
 
 
+def ran_out_of_memory(record: TrialRecord) -> bool:
+    """Whether a trial needed more memory than the budget allows (measured, or an OOM error)."""
+    return record.status == worker.OUT_OF_MEMORY or (
+        record.status == worker.OK and record.violations.get("memory", 0) > 0
+    )
+
+
+def memory_dominated(config: Config, records: list[TrialRecord]) -> TrialRecord | None:
+    """A measured trial that ran out of memory with a config `config` can only need more memory
+    than: equal in every knob except those whose choice here is known to need no less
+    (Knob.memory_rank: float32 against bfloat16, no offload against offload). Measuring `config`
+    would be a wasted trial."""
+    def at_least(record: TrialRecord) -> bool:
+        return all(
+            knob.needs_no_less_memory(config.get(name, knob.default), record.config.get(name, knob.default))
+            for name, knob in CATALOGUE.items()
+        )
+
+    return next((r for r in records if ran_out_of_memory(r) and at_least(r)), None)
+
+
 def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
     return {
         "model": req.spec.to_dict(),
@@ -290,9 +372,10 @@ def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
     }
 
 
-def calibrate_quality(req: TuneRequest, measure: Measure) -> dict:
+def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True) -> dict:
     """The study's quality guard, set up once: the reference output (float32, nothing enabled)
-    and, for the "auto" threshold, what a precision change alone (bfloat16) does to it."""
+    and, for the "auto" threshold, what a precision change alone (bfloat16) does to it
+    (`threshold=False`: the reference output only)."""
     request = _one_call(req, baseline(), req.reference_path)
     result = measure(request, req.workdir / "reference", lambda: None)
     if result["status"] == worker.OUT_OF_MEMORY and req.target.device.startswith("cuda"):
@@ -305,6 +388,8 @@ def calibrate_quality(req: TuneRequest, measure: Measure) -> dict:
             f"{result['status']}: {result.get('error', '')}; --min-psnr 0 tunes without the quality guard"
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"]}
+    if not threshold:
+        return guard
     if req.min_psnr_db == "auto":
         half = {**request["config"], "dtype": "bfloat16"}
         probe = measure(_one_call(req, half, req.workdir / "precision" / "output.npy"),
@@ -321,40 +406,110 @@ def calibrate_quality(req: TuneRequest, measure: Measure) -> dict:
     return guard
 
 
+def _request_attr(req: TuneRequest) -> dict:
+    """What a study was measured under, kept with it: `export` rebuilds the profile from it."""
+    return {
+        "model": req.spec.to_dict(),
+        "workload": req.workload.to_dict(),
+        "budget_bytes": req.budget_bytes,
+        "margin": req.margin,
+        "margin_bytes": req.margin_bytes,
+        "device": req.target.device,
+        "family": req.target.family,
+        "threads": req.threads,
+        "warmup": req.warmup,
+        "repeats": req.repeats,
+        "max_calls": req.max_calls,
+        "spread_limit": req.spread_limit,
+        "min_psnr_db": req.min_psnr_db,
+    }
+
+
+def request_of(study: optuna.Study, storage: str) -> TuneRequest:
+    """The request a stored study was measured under (for writing its profile anywhere)."""
+    from .models import ModelSpec
+    from .workload import Workload
+
+    attr = study.user_attrs.get("request")
+    if not attr or "threads" not in attr:
+        raise AutotuneError(f"study {study.study_name}: it was not written by this version of autotune "
+                            "(no request recorded)")
+    return TuneRequest(
+        spec=ModelSpec.from_dict(attr["model"]), workload=Workload.from_dict(attr["workload"]),
+        budget_bytes=attr["budget_bytes"], space=SearchSpace([]),
+        target=Target(device=attr["device"], family=attr["family"]), storage=storage,
+        study_name=study.study_name, trials=0, workdir=Path("."), margin=attr["margin"],
+        repeats=attr["repeats"], max_calls=attr["max_calls"], spread_limit=attr["spread_limit"],
+        warmup=attr["warmup"], threads=attr["threads"], min_psnr_db=attr["min_psnr_db"],
+        machine=study.user_attrs.get("machine"),
+    )
+
+
+def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
+    """Open (or create) the study and set it up once: the device model it holds, the request,
+    the first configs to measure, and the quality guard. Workers joining it later find it ready."""
+    measure = measure or measure_in_child(req)
+    study, created = open_study(req.storage, req.study_name, req.seed)
+    if req.hardware:
+        held = study.user_attrs.get("hardware")
+        if held and held != req.hardware:
+            raise AutotuneError(
+                f"study {req.study_name} holds measurements made on {held}; this worker's device is "
+                f"{req.hardware}: timings of different models do not mix (use another --study-name)"
+            )
+        if not held:
+            study.set_user_attr("hardware", req.hardware)
+            study.set_user_attr("machine", req.machine)
+    study.set_user_attr("request", _request_attr(req))
+    space = req.space
+    if created:
+        study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
+        warm = space.fit(req.warm_start)
+        for config in warm:
+            study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
+        keys = {config_key(c) for c in warm}
+        for config in space.seed_configs():
+            if config_key(config) not in keys:
+                study.enqueue_trial(space.params(config), user_attrs={"seed": True})
+
+    guard = study.user_attrs.get("quality_guard")
+    if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
+        # Each machine keeps its own reference output (the study may be shared); the threshold
+        # is the study's, set by the first worker to calibrate it.
+        calibrated = calibrate_quality(req, measure, threshold=guard is None)
+        if guard is None:
+            study.set_user_attr("quality_guard", calibrated)
+    return study
+
+
+def _in_flight(study: optuna.Study) -> dict[str, int]:
+    """Configs other workers are measuring now: config key -> lowest trial number."""
+    out: dict[str, int] = {}
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        key = frozen.user_attrs.get("config_key")
+        if key and "duplicate_of_running" not in frozen.user_attrs:
+            out[key] = min(out.get(key, frozen.number), frozen.number)
+    return out
+
+
 def tune(
     req: TuneRequest,
     on_trial: Callable[[TrialRecord], None] | None = None,
     measure: Measure | None = None,
 ) -> StudyOutcome:
     """Run the study until it holds `req.trials` measured trials, `req.timeout_s` has passed, or
-    the space is spent. Resumable: the same request continues a study where it stopped."""
+    the space is spent. Resumable: the same request continues a study where it stopped. Other
+    workers may run the same request against the same storage at the same time."""
     measure = measure or measure_in_child(req)
-    study = load_study(req.storage, req.study_name, req.seed)
-    study.set_user_attr(
-        "request",
-        {
-            "model": req.spec.to_dict(),
-            "workload": req.workload.to_dict(),
-            "budget_bytes": req.budget_bytes,
-            "margin_bytes": req.margin_bytes,
-            "device": req.target.device,
-        },
-    )
+    study = prepare(req, measure)
     storage = study._storage  # Optuna keeps no public handle for heartbeats in ask-and-tell
     space = req.space
-    if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
-        for config in space.seed_configs():
-            study.enqueue_trial(space.params(config), user_attrs={"seed": True})
-
     guard = study.user_attrs.get("quality_guard")
-    if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
-        guard = calibrate_quality(req, measure)
-        study.set_user_attr("quality_guard", guard)
     min_psnr_db = guard["min_psnr_db"] if req.min_psnr_db and guard else None
     n_configs = len(space.configs())
     started = time.monotonic()
     duplicates_in_a_row = 0
+    measured_here = 0
 
     def measured() -> dict[str, int]:
         out = {}
@@ -363,14 +518,24 @@ def tune(
                 out.setdefault(frozen.user_attrs["config_key"], frozen.number)
         return out
 
+    def ruled_out() -> set[str]:  # configs known infeasible without measuring them
+        return {
+            t.user_attrs["config_key"]
+            for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
+            if "dominated_by" in t.user_attrs
+        }
+
     while True:
         _fail_stale_trials(study)
         done = measured()
+        others = _in_flight(study)
+        settled = set(done) | ruled_out()
         if len(done) >= req.trials:
             reason = f"{len(done)} trials measured (--trials {req.trials})"
             break
-        if len(done) >= n_configs:
-            reason = f"every one of the space's {n_configs} configurations is measured"
+        if len(settled) >= n_configs:
+            reason = (f"every one of the space's {n_configs} configurations is measured or known "
+                      "not to fit")
             break
         if req.timeout_s is not None and time.monotonic() - started > req.timeout_s:
             reason = f"--timeout {req.timeout_s:.0f} s reached"
@@ -382,6 +547,9 @@ def tune(
         if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
             reason = "the sampler keeps proposing configurations measured already"
             break
+        if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
+            time.sleep(1.0)  # what is left is being measured by other workers: wait for it
+            continue
 
         with warnings.catch_warnings():
             # Optuna warns that heartbeats are meant for Study.optimize; in ask-and-tell this
@@ -393,6 +561,7 @@ def tune(
         key = config_key(config)
         trial.set_user_attr("config", config)
         trial.set_user_attr("config_key", key)
+        trial.set_user_attr("worker", WORKER)
 
         forbidden = space.forbidden(config)
         if forbidden:
@@ -407,6 +576,21 @@ def tune(
             _record(trial, **earlier.user_attrs["violations"])
             trial.set_user_attr("duplicate_of", earlier.number)
             study.tell(trial, earlier.value)
+            duplicates_in_a_row += 1
+            continue
+        # Another worker may have drawn the same config a moment ago. Each writes its key before
+        # it looks (above), so of two racing trials the later-numbered one always sees the other.
+        twin = _in_flight(study).get(key)
+        if twin is not None and twin < trial.number:
+            trial.set_user_attr("duplicate_of_running", twin)
+            study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
+            duplicates_in_a_row += 1
+            continue
+        dominated_by = memory_dominated(config, summarize(study).records)
+        if dominated_by is not None:
+            _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
+            trial.set_user_attr("dominated_by", dominated_by.number)
+            study.tell(trial, state=TrialState.PRUNED)
             duplicates_in_a_row += 1
             continue
         duplicates_in_a_row = 0
@@ -446,9 +630,11 @@ def tune(
         )
         latency = result.get("latency_s")
         study.tell(trial, latency if result["status"] == worker.OK else math.inf)
+        measured_here += 1
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))
 
     outcome = summarize(study, reason)
     outcome.quality_guard = guard if min_psnr_db else None
+    outcome.measured_here = measured_here
     return outcome

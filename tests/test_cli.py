@@ -215,9 +215,9 @@ def all_trials(tmp_path):
 def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     # --spread 0.0001: every trial makes --max-calls timed calls, so trial 1 is surely running
-    # when the signal comes (tiny-sd15 calls take under half a second).
+    # when the signal comes (tiny-sd15 calls at 64x64 take about 0.1 s).
     args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3",
-            "--max-calls", "8", "--spread", "0.0001"]
+            "--max-calls", "20", "--spread", "0.0001", "--height", "64", "--width", "64", "--steps", "2"]
     proc = start_cli(tmp_path, *args)
     wait_for_trial_dir(tmp_path, 1)  # trial 0 measured, trial 1 running
     assert proc.poll() is None
@@ -235,19 +235,18 @@ def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_parent_leaves_a_trial_that_the_next_run_retries(tmp_path):
-    from autotune.study import GRACE_S
-
+def test_a_killed_parent_leaves_a_trial_that_the_next_run_retries(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_STALE_AFTER_S", "5")  # read by the CLI children: a shorter grace
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--repeats", "3", "--trials", "3",
-            "--max-calls", "8", "--spread", "0.0001"]
+            "--max-calls", "20", "--spread", "0.0001", "--height", "64", "--width", "64", "--steps", "2"]
     proc = start_cli(tmp_path, *args)
     wait_for_trial_dir(tmp_path, 1)
     assert proc.poll() is None
     proc.kill()  # SIGKILL: no handler runs, trial 1 stays RUNNING in the storage
     proc.communicate(timeout=60)
     assert all_trials(tmp_path)[1].state == optuna.trial.TrialState.RUNNING
-    time.sleep(GRACE_S + 1)  # its heartbeat goes stale
+    time.sleep(6)  # its heartbeat goes stale
 
     done = run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -57,3 +57,88 @@ def test_without_patience_the_trial_count_rules(tmp_path):
     measure, measured = fake_measure(lambda c: 1.0 if c == baseline() else 2.0)
     outcome = study.tune(request(SearchSpace(SPACE), tmp_path, trials=6), measure=measure)
     assert len(measured) == 6 and "--trials 6" in outcome.stop_reason
+
+
+def test_configs_that_only_add_memory_to_one_that_ran_out_are_not_measured(tmp_path):
+    # Peak memory: float32 doubles it, VAE tiling halves it; 800 MiB is the budget.
+    def peak(c):
+        return int(1000 * MiB * (2 if c["dtype"] == "float32" else 1) * (0.5 if c["vae_tiling"] else 1))
+
+    measured = []
+
+    def measure(req, trial_dir, tick):
+        measured.append(req["config"])
+        status = "out_of_memory" if peak(req["config"]) > 1500 * MiB else "ok"
+        return {"status": status, "latency_s": 1.0, "peak_memory_bytes": peak(req["config"])}
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16")),
+                         Dimension("vae_tiling", (False, True)), Dimension("channels_last", (False, True))])
+    req = request(space, tmp_path, trials=12, margin="0")
+    req.budget_bytes = 800 * MiB
+    outcome = study.tune(req, measure=measure)
+    assert "known not to fit" in outcome.stop_reason
+    over = [c for c in measured if peak(c) > req.budget_bytes]
+    for i, config in enumerate(measured):  # nothing measured only adds memory to an earlier overshoot
+        earlier = [c for c in measured[:i] if c in over]
+        assert study.memory_dominated(config, [_record_of(c, peak(c)) for c in earlier]) is None
+    assert len(measured) < len(space.configs())  # some configs were ruled out unmeasured
+    assert outcome.best.config["vae_tiling"] and outcome.best.config["dtype"] != "float32"
+
+
+def _record_of(config, peak):
+    return study.TrialRecord(number=0, config=config, status="ok", result={"peak_memory_bytes": peak},
+                             violation=1.0, violations={"memory": 1.0})
+
+
+def test_memory_dominance_needs_every_other_knob_equal():
+    ran_out = _record_of({**baseline(), "dtype": "bfloat16"}, 0)
+    assert study.memory_dominated({**baseline()}, [ran_out]) is ran_out  # float32 needs more
+    assert study.memory_dominated({**baseline(), "dtype": "float16"}, [ran_out]) is ran_out
+    assert study.memory_dominated({**baseline(), "vae_tiling": True}, [ran_out]) is None  # less
+    assert study.memory_dominated({**baseline(), "channels_last": True}, [ran_out]) is None  # unknown
+    fitted = study.TrialRecord(0, {**baseline(), "dtype": "bfloat16"}, "ok", {}, 0.0, violations={"memory": -0.1})
+    assert study.memory_dominated(baseline(), [fitted]) is None
+
+
+def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_path):
+    front = [{"dtype": "float16", "channels_last": True, "offload": "model"}]  # offload: not in this space
+    space = SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}])
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(request(space, tmp_path, trials=3, warm_start=front), measure=measure)
+    assert measured[:3] == [baseline(), {**baseline(), "dtype": "float16", "channels_last": True},
+                            {**baseline(), "dtype": "bfloat16"}]
+
+
+def test_a_study_refuses_a_worker_on_another_device_model(tmp_path):
+    import pytest
+
+    from autotune.errors import AutotuneError
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    measure, _ = fake_measure(lambda c: 1.0)
+    first = request(SearchSpace(SPACE), tmp_path, trials=2, hardware="NVIDIA H100 80GB HBM3")
+    first.storage = storage
+    study.tune(first, measure=measure)
+    other = request(SearchSpace(SPACE), tmp_path, trials=4, hardware="NVIDIA A100-SXM4-40GB")
+    other.storage = storage
+    with pytest.raises(AutotuneError, match="H100.*A100|A100.*H100"):
+        study.tune(other, measure=measure)
+
+
+def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, monkeypatch):
+    import time
+
+    import optuna
+
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    shared, created = study.open_study(storage, "s")
+    assert created and not study.open_study(storage, "s")[1]  # a second worker joins, not creates
+    trial = shared.ask({"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])})
+    study._heartbeat(shared._storage, trial)
+    study._fail_stale_trials(shared)
+    assert shared.trials[0].state == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh
+    monkeypatch.setattr(time, "time", lambda: shared.trials[0].user_attrs["heartbeat_at"] + study.GRACE_S + 1)
+    study._fail_stale_trials(shared)
+    states = [t.state for t in shared.trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
+    assert shared.trials[1].params == shared.trials[0].params

@@ -1,0 +1,135 @@
+"""Several workers in one study (issue #5): real CLI processes sharing a real PostgreSQL server
+(started here from the pgserver wheel, on a Unix socket) or a journal file. Trial counts add up,
+no configuration is measured twice, one profile comes out; a worker killed with SIGKILL in the
+middle of a trial has that trial retried by the other, and the study finishes."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import yaml
+
+from helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+# 12 configurations, more than the trials asked for: the workers must share them out.
+SPACE = "knobs:\n  dtype: [float32, bfloat16, float16]\n  channels_last: [false, true]\n  fuse_qkv: [false, true]\n"
+# --threads 1: two workers on a 2-core machine; two threads each would oversubscribe the cores,
+# and OpenMP's spinning barriers then slow every call down many times over.
+# 64x64 and 2 steps: calls of about 0.1 s, so the tests measure the sharing, not the model.
+BASE = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "space.yaml", "--repeats", "2",
+        "--max-calls", "3", "--threads", "1", "--height", "64", "--width", "64", "--steps", "2",
+        "--study-name", "shared"]
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory):
+    pgserver = pytest.importorskip("pgserver", reason="the [test] extra installs pgserver (PostgreSQL in a wheel)")
+    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
+    yield server.get_uri()
+    server.cleanup()
+
+
+def start(tmp_path, *args, env=None):
+    # SIGINT at its default, as in a terminal (a background job would hand it ignored).
+    return subprocess.Popen([sys.executable, "-m", "autotune", *map(str, args)], cwd=tmp_path,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def measured_trials(url):
+    from autotune.study import open_storage  # journal:PATH as autotune reads it
+
+    study = optuna.load_study(study_name="shared", storage=open_storage(url))
+    return study, [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
+                   and "result" in t.user_attrs and "duplicate_of" not in t.user_attrs]
+
+
+def worker_count(output, total):
+    """What a worker says it measured: 'this worker measured K of the study's N trials', or all."""
+    found = re.search(r"this worker measured (\d+) of the study's (\d+) trials", output)
+    return int(found.group(1)) if found else total
+
+
+def two_workers_share(tmp_path, url, extra):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    args = [*BASE, "--trials", "6", "--storage", url, *extra]
+    first = start(tmp_path, *args, "--output", "shared.yaml")
+    second = start(tmp_path, *args, "--no-profile")
+    out_first, _ = first.communicate(timeout=600)
+    out_second, _ = second.communicate(timeout=600)
+    assert first.returncode == 0, out_first
+    assert second.returncode == 0, out_second
+
+    study, trials = measured_trials(url)
+    keys = [t.user_attrs["config_key"] for t in trials]
+    assert len(keys) == len(set(keys)), "a configuration was measured twice"
+    assert 6 <= len(trials) <= 7  # two workers may each start the last trial at the same moment
+    by_worker = {}
+    for t in trials:
+        by_worker[t.user_attrs["worker"]] = by_worker.get(t.user_attrs["worker"], 0) + 1
+    assert len(by_worker) == 2, by_worker  # both measured
+    said = worker_count(out_first, len(trials)) + worker_count(out_second, len(trials))
+    assert said == len(trials) == sum(by_worker.values())  # the counts add up
+
+    profile = yaml.safe_load((tmp_path / "shared.yaml").read_text())  # one profile, of all trials
+    assert profile["study"]["trials"] == len(trials)
+    assert not list(tmp_path.glob("tiny-sd15-*.yaml"))  # the --no-profile worker wrote none
+    exported = run_cli("export", "--study-name", "shared", "--storage", url, "-o", "exported.yaml", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    again = yaml.safe_load((tmp_path / "exported.yaml").read_text())
+    assert again["best"]["config"] == profile["best"]["config"]
+    assert again["machine"] == profile["machine"]
+    return study
+
+
+def test_two_workers_share_a_study_through_postgresql(tmp_path, postgres):
+    study = two_workers_share(tmp_path, postgres, ["--min-psnr", "auto"])
+    assert study.user_attrs["quality_guard"]["min_psnr_db"] > 0
+
+
+def test_two_workers_share_a_study_through_a_journal_file(tmp_path):
+    two_workers_share(tmp_path, f"journal:{tmp_path / 'study.journal'}", ["--min-psnr", "0"])
+
+
+def test_a_worker_killed_mid_trial_has_its_trial_retried_by_the_other(tmp_path, postgres):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    url = postgres  # the same server as the other test; a study of its own name
+    args = [*BASE[:-1], "killed", "--trials", "4", "--storage", url, "--min-psnr", "0",
+            "--spread", "0.0001", "--max-calls", "20"]  # 20 timed calls: a trial lasts seconds
+    env = {"AUTOTUNE_STALE_AFTER_S": "5"}
+    doomed = start(tmp_path, *args, "--no-profile", env=env)
+    survivor = start(tmp_path, *args, "--output", "killed.yaml", env=env)
+    deadline = time.monotonic() + 300
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            study = optuna.load_study(study_name="killed", storage=url)
+        except KeyError:
+            continue
+        running = [t for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+                   if t.user_attrs.get("worker") == f"{socket.gethostname()}:{doomed.pid}"
+                   and "config_key" in t.user_attrs]
+        victim = running[0] if running else None
+    assert victim is not None, "the first worker never started a trial"
+    doomed.kill()  # SIGKILL: no handler runs; its trial stays RUNNING, its heartbeat goes stale
+    doomed.communicate(timeout=60)
+
+    out, _ = survivor.communicate(timeout=600)
+    assert survivor.returncode == 0, out
+    trials = optuna.load_study(study_name="killed", storage=url).trials
+    assert trials[victim.number].state == optuna.trial.TrialState.FAIL
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert retried and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert retried[0].user_attrs["config_key"] == victim.user_attrs["config_key"]
+    profile = yaml.safe_load((tmp_path / "killed.yaml").read_text())
+    assert profile["study"]["trials"] >= 4
