@@ -41,8 +41,9 @@ def test_defects_and_metrics():
 @pytest.mark.slow
 def test_vae_tiling_is_rejected_by_default_and_accepted_when_loosened_bfloat16_passes(cli, tmp_path):
     (tmp_path / "space.yaml").write_text(TINY_SPACE)
+    # The tiny model's own resolution (tiling acts above the VAE's sample size), 2 steps.
     common = ["--model", "tiny-sd3", "--space", "space.yaml", "--trials", "4", "--repeats", "1",
-              "--vram", "4GB", "--threads", "1"]
+              "--max-calls", "2", "--steps", "2", "--vram", "4GB", "--threads", "1"]
     strict = cli(*common, "--study-name", "strict", "-o", "strict.yaml")
     assert strict.returncode == 0, strict.stderr + strict.stdout
     assert "quality guard: PSNR against the float32 reference at least" in strict.stdout
@@ -78,7 +79,9 @@ def test_a_float16_overflow_is_rejected(cli, tmp_path):
         pipe.vae.post_quant_conv.bias.fill_(1e5)
     pipe.save_pretrained(tmp_path / "overflowing")
     (tmp_path / "space.yaml").write_text(FP16_SPACE)
+    # 64x64, 2 steps: float16 runs slowly on a CPU, and the overflow happens at any size.
     proc = cli("--model", "overflowing", "--space", "space.yaml", "--trials", "2", "--repeats", "1",
+               "--max-calls", "2", "--height", "64", "--width", "64", "--steps", "2",
                "--vram", "4GB", "--threads", "1", "-o", "p.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "nan_output" in proc.stdout
