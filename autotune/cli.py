@@ -256,9 +256,9 @@ def _tune(args, argv: list[str]) -> int:
     from .study import TuneRequest, tune
 
     spec = resolve_model(args.model, random_weights=args.random_weights)
-    device = _resolve_device("cuda" if args.gpus else args.device)
     if args.gpus:
         _check_gpus(args.gpus)
+    device = _resolve_device("cuda" if args.gpus else args.device)
     workload = spec.default_workload
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
@@ -363,6 +363,8 @@ def _check_gpus(gpus: list[int]) -> None:
     from .errors import AutotuneError
 
     count = fingerprint.cuda_device_count()
+    if count == 0:
+        raise AutotuneError("--gpus: no CUDA GPU is usable here")
     missing = [g for g in gpus if g >= count]
     if missing:
         raise AutotuneError(f"--gpus: no GPU {', '.join(map(str, missing))} (this machine has {count})")

@@ -35,11 +35,16 @@ def one_line_error(proc):
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),
         (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["--gpus", "99"], "--gpus: no"),  # no CUDA here, or no GPU 99 on a GPU machine
         (["--margin", "lots"], "not a margin"),
         (["--margin", "100%"], "under 100%"),
         (["--space", "missing.yaml"], "no such file"),
         (["show", "missing.yaml"], "no such file"),
         (["--no-such-flag"], "unrecognized arguments"),
+        (["--gpus", "0,0"], "distinct GPU indices"),
+        (["--storage", "nosuchdb://x", "--trials", "1"], "storage nosuchdb://x: cannot open it"),
+        (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, nor a study"),
+        (["export", "--study-name", "missing"], "no study 'missing'"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):

@@ -1,0 +1,33 @@
+"""--gpus on a GPU machine: one worker per GPU in one study, each trial pinned to its GPU.
+
+Skipped without CUDA (conftest). With one GPU, `--gpus 0` still runs the whole path: the parent
+sets the study up, a worker process measures, the parent writes the profile."""
+
+import optuna
+import torch
+import yaml
+
+SPACE = "knobs:\n  dtype: [float32, bfloat16, float16]\n  channels_last: [false, true]\n"
+
+
+def test_one_worker_per_gpu_measures_and_the_parent_writes_the_profile(cli, tmp_path):
+    gpus = ",".join(str(i) for i in range(min(torch.cuda.device_count(), 2)))
+    (tmp_path / "space.yaml").write_text(SPACE)
+    proc = cli("--model", "tiny-sd15", "--space", "space.yaml", "--trials", "4", "--gpus", gpus,
+               "--vram", "4GB", "--study-name", "gpus", "-o", "gpus.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    for gpu in gpus.split(","):
+        assert f"worker on GPU {gpu} ended (exit 0)" in proc.stdout
+    profile = yaml.safe_load((tmp_path / "gpus.yaml").read_text())
+    assert profile["study"]["trials"] >= 4
+    assert profile["machine"]["device"].startswith("cuda")
+    url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
+    trials = optuna.load_study(study_name="gpus", storage=url).trials
+    measured = [t for t in trials if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs]
+    assert len({t.user_attrs["config_key"] for t in measured}) == len(measured)
+    assert len({t.user_attrs["worker"] for t in measured}) == len(gpus.split(","))
+
+
+def test_gpus_refuses_a_gpu_that_is_not_there(cli):
+    proc = cli("--model", "tiny-sd15", "--gpus", str(torch.cuda.device_count()), "--trials", "1")
+    assert proc.returncode == 1 and "no GPU" in proc.stderr
