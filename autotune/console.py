@@ -23,6 +23,20 @@ def config_changes(config: dict) -> str:
     return ", ".join(changed) or "baseline (float32, nothing enabled)"
 
 
+def _when_text(when: dict) -> str:
+    """A `when` condition, short: "compile is not none" where it lists every other choice."""
+    parts = []
+    for name, wanted in when.items():
+        values = wanted if isinstance(wanted, list) else [wanted]
+        knob = CATALOGUE[name]
+        others = [c for c in knob.choices if c != knob.default]
+        if sorted(map(str, values)) == sorted(map(str, others)):
+            parts.append(f"{name} is not {knob.default}")
+        else:
+            parts.append(f"{name} in {', '.join(map(str, values))}")
+    return " and ".join(parts)
+
+
 def print_space(space, target, out: Console | None = None) -> None:
     out = out or terminal()
     table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
@@ -34,7 +48,7 @@ def print_space(space, target, out: Console | None = None) -> None:
         dim = searched.get(name)
         text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default}"
         if dim and dim.when:
-            text += f"  (when {dim.when})"
+            text += f"  (when {_when_text(dim.when)})"
         table.add_row(name, text, knob.help)
     out.print(table)
     if space.dropped:

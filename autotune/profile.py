@@ -174,7 +174,8 @@ class Profile:
                 f"this profile was measured on {device}, and no CUDA GPU is usable here; "
                 "pass device='cpu' to load it anyway"
             )
-        return Target(device=device, family=self.model.family, capability=fingerprint.capability(device))
+        return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
+                      steps=self.workload.steps)  # MagCache needs the step count
 
     def apply(self, pipe, device: str | None = None, budget_bytes: int | None = None):
         """Put a loaded pipeline into the measured state (the same code the trials ran)."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -60,6 +62,8 @@ class SearchSpace:
     # Expert starting points (partial configs, e.g. the guides' fast stack and a low-memory
     # fallback): a good feasible point early, before the sampler has learnt anything.
     seeds: list[dict] = field(default_factory=list)
+    # The model family once restricted to a target: conflicts narrowed to families use it.
+    family: str | None = None
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
@@ -94,7 +98,7 @@ class SearchSpace:
                     kept.append(value)
             if len(kept) > 1:
                 dims.append(Dimension(dim.name, tuple(kept), dim.when))
-        return SearchSpace(dims, self.forbid, self.source, dropped, self.seeds)
+        return SearchSpace(dims, self.forbid, self.source, dropped, self.seeds, target.family)
 
     # ---- configs -------------------------------------------------------------------------------
     def normalize(self, partial: Config) -> Config:
@@ -110,7 +114,7 @@ class SearchSpace:
         for rule in self.forbid:
             if matches(rule, config):
                 return f"forbidden by {self.source}: {rule}"
-        return conflict(config)
+        return conflict(config, self.family)
 
     def suggest(self, trial) -> Config:
         """Draw a config through an Optuna trial (conditional knobs only when active)."""
@@ -144,17 +148,53 @@ class SearchSpace:
                 out.append(config)
         return out
 
-    def configs(self) -> list[Config]:
-        """Every distinct config this space allows, baseline first."""
-        seen, out = set(), []
+    def grid_size(self) -> int:
+        """The number of raw grid points (before `when`, de-duplication and forbid rules)."""
+        return math.prod(len(d.choices) for d in self.dimensions)
+
+    def configs(self) -> "list[Config] | LargeGrid":
+        """Every distinct config this space allows, baseline first. A full GPU space holds
+        millions of grid points: above LARGE_GRID of them this is a LargeGrid, whose len() is
+        the grid size (an upper bound) and whose configs are generated as they are read."""
+        if self.grid_size() > LARGE_GRID:
+            return LargeGrid(self)
+        return list(self._iter_configs())
+
+    def _iter_configs(self):
+        seen = set()
         grid = itertools.product(*(d.choices for d in self.dimensions))
         for values in itertools.chain([()], grid):
             config = self.normalize(dict(zip((d.name for d in self.dimensions), values)))
             key = config_key(config)
             if key not in seen and not self.forbidden(config):
                 seen.add(key)
-                out.append(config)
-        return out
+                yield config
+
+
+# Above this many grid points, SearchSpace.configs() stops enumerating eagerly (at about 20 µs a
+# point, 50,000 take a second).
+LARGE_GRID = 50_000
+
+
+class LargeGrid(Sequence):
+    """The configs of a space too large to list: iterated lazily; len() is an upper bound."""
+
+    def __init__(self, space: SearchSpace):
+        self.space = space
+
+    def __len__(self) -> int:
+        return self.space.grid_size()
+
+    def __iter__(self):
+        return self.space._iter_configs()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) or index < 0:
+            raise IndexError("a LargeGrid is read from the start: iterate it")
+        for i, config in enumerate(self.space._iter_configs()):
+            if i == index:
+                return config
+        raise IndexError(index)
 
 
 def config_key(config: Config) -> str:

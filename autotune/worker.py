@@ -67,7 +67,8 @@ def run(request: dict, started: float = _T0) -> dict:
     spec = ModelSpec.from_dict(request["model"])
     workload = Workload.from_dict(request["workload"])
     config = request["config"]
-    target = Target(device=device, family=spec.family, capability=request.get("capability"))
+    # steps: MagCache resamples its per-step curve to the workload and resets after the last step
+    target = Target(device=device, family=spec.family, capability=request.get("capability"), steps=workload.steps)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
     tracker = MemoryTracker(device)

@@ -1,3 +1,5 @@
+import itertools
+
 import optuna
 import pytest
 
@@ -18,15 +20,55 @@ def write(tmp_path, text, name="space.yaml"):
 def test_shipped_spaces_load_and_hold_the_baseline(family):
     space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml")
     assert space.dimensions, family
+    # The full spaces hold millions of grid points: configs() generates them lazily, and
+    # len() is the grid size, an upper bound (study.py's "space spent" check never fires early).
     configs = space.configs()
-    assert configs[0] == baseline()
-    assert len({config_key(c) for c in configs}) == len(configs)
+    assert len(configs) == space.grid_size() > 1_000_000
+    first = list(itertools.islice(configs, 3000))
+    assert first[0] == baseline()
+    assert len({config_key(c) for c in first}) == len(first)
+    assert not any(space.forbidden(c) for c in first)
 
 
 def test_transformer_families_do_not_search_attention_slicing():
-    for family in ("sd3", "flux"):
-        names = [d.name for d in SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").dimensions]
-        assert "attention" not in names
+    for family in ("sd3", "flux", "tiny-sd3", "tiny-flux"):
+        dims = {d.name: d.choices for d in SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").dimensions}
+        assert not {"sliced", "sliced-max"} & set(dims.get("attention", ())), family
+
+
+def test_each_family_space_holds_what_matters_for_it():
+    def dims(name):
+        return {d.name: d.choices for d in SearchSpace.from_file(SHIPPED_DIR / f"{name}.yaml").dimensions}
+
+    flux, sd3, sdxl, sd15 = dims("flux"), dims("sd3"), dims("sdxl"), dims("sd15")
+    assert set(flux["cache"]) == {"none", "first-block", "taylorseer", "magcache"}
+    assert {"flash-attn", "sage"} <= set(flux["attention"])
+    for other in (sd3, sdxl, sd15):  # caches only where the model has enable_cache
+        assert "cache" not in other
+    assert "compile_regional" not in sd3  # SD3 names no repeated blocks
+    assert "int8dq-filtered" in sdxl["quantize"]  # the SDXL guide's layer filter
+    for space in (flux, sd3, sdxl, sd15):
+        assert {"default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"} <= set(space["compile"])
+        assert {"group-block-1", "group-leaf-stream", "model", "sequential"} <= set(space["offload"])
+        assert "fp8-e4m3" in space["layerwise_casting"] and "balanced" in space["placement"]
+
+
+def test_tiny_spaces_stay_small():
+    for family in ("sdxl", "sd15", "sd3", "flux"):
+        space = SearchSpace.from_file(SHIPPED_DIR / f"tiny-{family}.yaml")
+        assert len(space.configs()) < 2000
+        names = {d.name for d in space.dimensions}
+        assert not names & {"compile", "cache", "layerwise_casting", "tf32"}
+
+
+def test_conflicts_narrowed_to_families_follow_the_restricted_target():
+    config = {**baseline(), "fuse_qkv": True, "attention": "xformers"}
+    space = SearchSpace.from_file(SHIPPED_DIR / "flux.yaml")
+    assert space.forbidden(config)  # no target known: every family's rules hold
+    gpu = Target(device="cuda", family="flux", capability=(9, 0))
+    assert space.restrict(gpu).forbidden(config) is None  # a dispatcher backend on Flux
+    sdxl = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml").restrict(Target(device="cuda", family="sdxl"))
+    assert "undoing fuse_qkv" in sdxl.forbidden(config)
 
 
 def test_restrict_drops_what_cannot_run_here_with_a_reason():
@@ -77,7 +119,7 @@ def test_conditional_knob_is_searched_only_when_active(tmp_path):
 
 
 def test_known_conflicts_are_forbidden():
-    space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml")
+    space = SearchSpace.from_file(SHIPPED_DIR / "tiny-sdxl.yaml")
     config = {**baseline(), "fuse_qkv": True, "attention": "sliced"}
     assert "undoing fuse_qkv" in space.forbidden(config)
     assert all(not (c["fuse_qkv"] and c["attention"] != "sdpa") for c in space.configs())

@@ -3,9 +3,12 @@
 A configuration is a flat dict {knob name: choice}. `apply_config` is the only code that turns one
 into pipeline state; trial workers and production (`Profile.apply`) both call it.
 
-Order matters (see ../shared/notes/knobs.md): dtype first; fuse QKV before quantization (a
-quantized weight cannot be concatenated); layout and attention processors next; offload hooks
-after every change to the modules; compile last, so it traces the final modules.
+Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype and the
+process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
+fp8 weight cannot be concatenated); then quantization or fp8 storage; layout and the attention
+implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
+change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
+final modules. What ordering cannot fix is forbidden in CONFLICTS, each rule with its reason.
 """
 
 from __future__ import annotations
@@ -14,40 +17,91 @@ from typing import Any
 
 from .attention import ATTENTION
 from .base import Knob, Target
-from .compile import COMPILE
+from .cache import CACHE
+from .compile import COMPILE, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES, INDUCTOR_FLAGS
 from .layout import CHANNELS_LAST, FUSE_QKV
-from .memory import OFFLOAD, VAE_SLICING, VAE_TILING, places_on_device
-from .precision import DTYPE, DTYPES
-from .quantize import QUANTIZE
+from .memory import OFFLOAD, PLACEMENT, VAE_SLICING, VAE_TILING, places_on_device
+from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32
+from .quantize import LAYERWISE_CASTING, QUANTIZE
 
 APPLY_ORDER: tuple[Knob, ...] = (
     DTYPE,
+    TF32,
+    CUDNN_BENCHMARK,
     FUSE_QKV,
     QUANTIZE,
+    LAYERWISE_CASTING,
     CHANNELS_LAST,
     ATTENTION,
     VAE_SLICING,
     VAE_TILING,
+    CACHE,
+    PLACEMENT,
     OFFLOAD,
     COMPILE,
+    COMPILE_FULLGRAPH,
+    COMPILE_REGIONAL,
+    COMPILE_VAE,
+    INDUCTOR_FLAGS,  # global inductor settings, read at the first compiled call
 )
 CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
 
+_HOOKS = ["model", "sequential", "group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
+          "group-leaf-stream"]
+_CACHES = ["first-block", "taylorseer", "magcache"]
+_COMPILED = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
 # Combinations that are valid one by one but not together, as (partial config, reason). A value
-# may be a list: any of its elements matches. The search never measures a config that matches one.
+# may be a list: any of its elements matches. The key "family" narrows a rule to model families
+# (a space that knows its target passes it; without one the rule holds for every family). The
+# search never measures a config that matches one.
 CONFLICTS: tuple[tuple[dict, str], ...] = (
-    (
-        {"fuse_qkv": True, "attention": ["sliced", "sliced-max"]},
-        "attention slicing replaces the fused attention processors, undoing fuse_qkv",
-    ),
+    # attention processors replace each other: the last installed wins, silently
+    ({"fuse_qkv": True, "attention": ["sliced", "sliced-max"]},
+     "attention slicing replaces the fused attention processors, undoing fuse_qkv"),
+    ({"fuse_qkv": True, "attention": "xformers", "family": ["sdxl", "sd15", "sd3"]},
+     "xFormers installs its own attention processors, undoing fuse_qkv (on Flux it is a dispatcher backend and keeps the fusion)"),
+    # kernels that exist for half precision only
+    ({"dtype": "float32", "attention": ["sdpa-flash", "sdpa-cudnn", "flash-attn", "flash-attn-3", "sage"]},
+     "this attention kernel takes float16/bfloat16 only: in float32 it finds no kernel and fails"),
+    ({"dtype": ["float32", "float16"], "quantize": ["float8dq", "int4wo"]},
+     "torchao's float8 row-wise and int4 tinygemm quantization take bfloat16 weights only"),
+    # both rewrite the denoiser's weights
+    ({"quantize": ["int8wo", "int8dq", "int8dq-filtered", "float8dq", "int4wo"],
+      "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+     "quantization and fp8 layerwise casting both rewrite the denoiser's weights: choose one"),
+    # fullgraph cannot trace through hooks
+    ({"compile_fullgraph": True, "offload": _HOOKS},
+     "fullgraph=True cannot trace through offload hooks (graph breaks are errors)"),
+    ({"compile_fullgraph": True, "cache": _CACHES},
+     "fullgraph=True cannot trace through cache hooks (data-dependent skips are graph breaks)"),
+    ({"compile_fullgraph": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+     "fullgraph=True cannot trace through layerwise-casting hooks"),
+    ({"compile": list(CUDA_GRAPH_MODES), "offload": _HOOKS},
+     "CUDA-graph compile modes replay fixed device addresses; offload moves the weights (diffusers#8879)"),
+    # how to compile only matters when compiling
+    ({"compile": "none", "compile_fullgraph": True}, "compile_fullgraph only matters when compiling"),
+    ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),
+    ({"compile": "none", "compile_vae": True}, "compile_vae only matters when compiling"),
+    ({"compile": "none", "inductor_flags": True}, "inductor_flags only matter when compiling"),
+    # placement
+    ({"placement": "balanced", "offload": _HOOKS},
+     "balanced placement puts whole components on GPUs; offload hooks would move them again (diffusers raises)"),
+    ({"vae_tiling": True, "offload": ["group-block-1-stream", "group-leaf-stream"]},
+     "diffusers: group offload with CUDA streams on a VAE may misbehave when the first pass is tiled"),
 )
 
 Config = dict[str, Any]
 
 
-def matches(rule: dict, config: Config) -> bool:
-    """Whether a config matches a partial config such as {"offload": "model", "compile": [...]}."""
+def matches(rule: dict, config: Config, family: str | None = None) -> bool:
+    """Whether a config matches a partial config such as {"offload": "model", "compile": [...]}.
+    A "family" key in the rule matches every family when `family` is not given."""
     for name, wanted in rule.items():
+        if name == "family":
+            if family is not None and family not in (wanted if isinstance(wanted, list) else [wanted]):
+                return False
+            continue
         value = config.get(name, CATALOGUE[name].default if name in CATALOGUE else None)
         if isinstance(wanted, list):
             if value not in wanted:
@@ -57,9 +111,10 @@ def matches(rule: dict, config: Config) -> bool:
     return True
 
 
-def conflict(config: Config) -> str | None:
+def conflict(config: Config, family: str | None = None) -> str | None:
+    """Why a full config is a known-invalid combination (for `family`, or any), or None."""
     for rule, reason in CONFLICTS:
-        if matches(rule, config):
+        if matches(rule, config, family):
             return reason
     return None
 
@@ -85,8 +140,8 @@ def apply_config(pipe, config: Config, target: Target):
     """Put a freshly loaded pipeline into the state that `config` describes, on `target.device`."""
     config = complete(config)
     for knob in APPLY_ORDER:
-        knob.apply(pipe, config[knob.name], target)
-        if knob is DTYPE and places_on_device(config["offload"]):
+        knob.apply(pipe, config[knob.name], target, config)
+        if knob is DTYPE and places_on_device(config):
             pipe.to(target.device)
     return pipe
 
@@ -97,8 +152,8 @@ def build_configured(spec, config: Config, target: Target):
     from ..models import build_pipeline
 
     config = complete(config)
-    # Offload hooks place the weights themselves: build on the CPU for them.
-    build_device = target.device if places_on_device(config["offload"]) else "cpu"
+    # Offload hooks and balanced placement place the weights themselves: build on the CPU for them.
+    build_device = target.device if places_on_device(config) else "cpu"
     pipe = build_pipeline(spec, dtype=DTYPES[config["dtype"]], device=build_device)
     return apply_config(pipe, config, target)
 

@@ -1,32 +1,113 @@
-"""Which attention implementation runs."""
+"""Which attention implementation runs. One knob, so the implementations exclude each other by
+construction: attention slicing, xFormers and the dispatcher backends each replace what the others
+installed.
+
+- sdpa: PyTorch's scaled_dot_product_attention picking its kernel (diffusers' default).
+- sdpa-flash / -efficient / -cudnn / -math: SDPA held to one kernel with
+  torch.nn.attention.sdpa_kernel. That is a context around the call, not pipeline state, so the
+  denoiser's forward is wrapped to run under it: the worker and production then call the pipeline
+  the same plain way, and the VAE (whose float32 upcast and 512-wide single-head attention suit no
+  half-precision-only kernel) keeps SDPA's own choice.
+- sliced / sliced-max: `enable_attention_slicing("auto"/"max")`, UNet models only.
+- xformers: `enable_xformers_memory_efficient_attention()` (UNet, SD3), or the "xformers" backend
+  of diffusers' attention dispatcher (Flux).
+- flash-attn / flash-attn-3 / sage: dispatcher backends (`set_attention_backend`), Flux only: for
+  UNet2DConditionModel and SD3 the dispatcher is a silent no-op in diffusers 0.42.1.
+"""
 
 from __future__ import annotations
 
-from .base import Knob
+import functools
+
+from .base import Knob, denoiser, package_missing
 
 # slice sizes in diffusers' terms: "auto" halves the heads per step, "max" runs one head at a time
 _SLICES = {"sliced": "auto", "sliced-max": "max"}
+_SDPA_KERNELS = {
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-math": "MATH",
+}
+# autotune's names -> diffusers.models.attention_dispatch.AttentionBackendName values
+_DISPATCHER = {"flash-attn": "flash", "flash-attn-3": "_flash_3", "sage": "sage"}
 
 
-def _apply_attention(pipe, value, target):
-    # "sdpa" is what diffusers installs by default (AttnProcessor2_0, torch's
-    # scaled_dot_product_attention): nothing to do, and leaving the processors alone keeps the
-    # fused ones that fuse_qkv may have installed.
+def _hold_sdpa_kernel(model, kernel_name: str) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = getattr(SDPBackend, kernel_name)
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps the signature that pipelines inspect
+    def forward_under_kernel(*args, **kwargs):
+        with sdpa_kernel(kernel):  # dynamo traces this context, so compile keeps it
+            return forward(*args, **kwargs)
+
+    forward_under_kernel.sdpa_kernel = kernel  # what tests and `autotune show` can read back
+    model.forward = forward_under_kernel
+
+
+def _apply_attention(pipe, value, target, config):
+    # "sdpa" is what diffusers installs by default (AttnProcessor2_0): nothing to do, and leaving
+    # the processors alone keeps the fused ones that fuse_qkv may have installed.
     if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
+    elif value in _SDPA_KERNELS:
+        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
+    elif value == "xformers":
+        if target.family == "flux":
+            pipe.transformer.set_attention_backend("xformers")
+        else:
+            pipe.enable_xformers_memory_efficient_attention()
+    elif value in _DISPATCHER:
+        pipe.transformer.set_attention_backend(_DISPATCHER[value])
+
+
+def _dispatcher_requirement(backend: str) -> str | None:
+    """diffusers' own check of a dispatcher backend (package installed, version), as a reason."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(backend))
+    except (RuntimeError, ValueError, ImportError) as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
 
 
 def _attention_unavailable(value, target):
-    if value in _SLICES and not target.has_unet:
-        return f"attention slicing is a no-op for {target.family} (only UNet models slice attention)"
-    return None
+    if value == "sdpa":
+        return None
+    if value in _SLICES:
+        if not target.has_unet:
+            return f"attention slicing is a no-op for {target.family} (only UNet models slice attention)"
+        return None
+    if value == "sdpa-math":
+        return None  # runs everywhere: the reference kernel
+    if not target.is_cuda:
+        return f"{value} needs a CUDA GPU"
+    if value in _SDPA_KERNELS:
+        if value == "sdpa-cudnn" and target.capability is not None and tuple(target.capability) < (8, 0):
+            return f"cuDNN attention needs compute capability 8.0 or more ({target.capability} here)"
+        if value == "sdpa-flash" and target.capability is not None and tuple(target.capability) < (8, 0):
+            return f"SDPA's flash kernel needs compute capability 8.0 or more ({target.capability} here)"
+        return None
+    if value == "xformers":
+        return package_missing("xformers") or (_dispatcher_requirement("xformers") if target.family == "flux" else None)
+    # the dispatcher backends
+    if target.family != "flux":
+        return (f"attention-backend dispatcher ({value}) is a silent no-op for {target.family} in diffusers "
+                "0.42.1 (effective on Flux only)")
+    if value == "flash-attn-3" and target.capability is not None and tuple(target.capability) < (9, 0):
+        return f"FlashAttention 3 needs a Hopper GPU (compute capability 9.0; {target.capability} here)"
+    return _dispatcher_requirement(_DISPATCHER[value])
 
 
 ATTENTION = Knob(
     name="attention",
-    choices=("sdpa", *_SLICES),
+    choices=("sdpa", *_SLICES, *_SDPA_KERNELS, "xformers", *_DISPATCHER),
     default="sdpa",
-    help="attention implementation: PyTorch SDPA, or sliced attention (less memory, slower)",
+    help="attention implementation: SDPA (or one SDPA kernel), sliced, xFormers, flash-attn/sage (Flux)",
     apply=_apply_attention,
     unavailable=_attention_unavailable,
 )

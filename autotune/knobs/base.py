@@ -14,11 +14,14 @@ class Target:
     device: a torch device string ("cpu", "cuda", "cuda:1").
     family: the model family ("sdxl", "sd15", "sd3", "flux").
     capability: the CUDA compute capability as (major, minor), None on a CPU.
+    steps: the workload's denoising steps, for knobs that must know them (MagCache); None where
+        no workload is known (listing the space).
     """
 
     device: str
     family: str
     capability: tuple[int, int] | None = None
+    steps: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -31,12 +34,17 @@ class Target:
 
 # A function that says why `value` cannot run on `target`, or None when it can.
 Availability = Callable[[Any, Target], "str | None"]
-# A function that changes `pipe` in place so that it runs with `value`.
-Apply = Callable[[Any, Any, Target], None]
+# A function that changes `pipe` in place so that it runs with `value`. It also gets the complete
+# config, for the few knobs that read another's value (compile reads compile_fullgraph).
+Apply = Callable[[Any, Any, Target, dict], None]
 
 
 def always(value: Any, target: Target) -> str | None:
     return None
+
+
+def nothing(pipe, value, target: Target, config: dict) -> None:
+    """The apply of a knob that another knob reads (compile_fullgraph is read by compile)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,27 @@ def package_missing(name: str) -> str | None:
     if importlib.util.find_spec(name) is None:
         return f"the package '{name}' is not installed"
     return None
+
+
+def needs_cuda(what: str):
+    """An availability function: `what` runs only on a CUDA device (the default choice always runs)."""
+
+    def unavailable(value, target: Target) -> str | None:
+        if value not in (False, "none") and not target.is_cuda:
+            return f"{what} needs a CUDA GPU"
+        return None
+
+    return unavailable
+
+
+def denoiser_class(family: str):
+    """The denoiser's class for a model family, from the installed diffusers: availability
+    questions ("does it have enable_cache?") are asked of the class, before any pipeline exists."""
+    import diffusers
+
+    name = {"sdxl": "UNet2DConditionModel", "sd15": "UNet2DConditionModel",
+            "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[family]
+    return getattr(diffusers, name)
 
 
 def denoiser(pipe):

@@ -1,33 +1,125 @@
-"""torch.compile of the denoiser."""
+"""torch.compile: the mode, fullgraph, regional compilation, the VAE decoder, inductor flags.
+
+`compile` is the knob that compiles; `compile_fullgraph`, `compile_regional` and `compile_vae` say
+how, and are read by it (their own apply does nothing). Each of those, and `inductor_flags`, only
+matters when `compile` is not "none" (knobs.CONFLICTS forbids them otherwise, so they never repeat
+the baseline). Compilation happens in place (nn.Module.compile), at the first call: the warm-up.
+
+torch.jit.trace, which the older diffusers guides used to trace the UNet, is not a choice: it is
+superseded by torch.compile. A traced module is frozen to one set of input shapes and Python control
+flow taken at trace time, returns tuples instead of the UNet's output class (the guides wrapped it
+by hand), breaks with hooks (offload, caches, layerwise casting), and torch has deprecated
+TorchScript in favour of torch.compile/torch.export, which keep the module and trace it themselves.
+"""
 
 from __future__ import annotations
 
 import shutil
 
-from .base import Knob, denoiser
+from .base import Knob, denoiser, denoiser_class, nothing
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# modes that capture CUDA graphs: the point of them is CUDA, and they cannot follow offload hooks
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def _apply_compile(pipe, value, target):
+def _apply_compile(pipe, value, target, config):
     if value == "none":
         return
-    # In place (nn.Module.compile): the pipeline keeps the same module object, so hooks and
-    # attribute access keep working. Compilation itself happens on the first call (the warm-up).
-    mode = None if value == "default" else value
-    denoiser(pipe).compile(mode=mode)
+    options = {"mode": None if value == "default" else value, "fullgraph": bool(config["compile_fullgraph"])}
+    if config["compile_regional"]:
+        # Only the repeated blocks (the transformer blocks): much shorter compile, most of the gain.
+        denoiser(pipe).compile_repeated_blocks(**options)
+    else:
+        # In place: the pipeline keeps the same module object, so hooks and attribute access work.
+        denoiser(pipe).compile(**options)
+    if config["compile_vae"]:
+        # The decoder only (what the pipeline calls once per image); fullgraph is left off for it.
+        pipe.vae.decoder.compile(mode=options["mode"])
 
 
 def _compile_unavailable(value, target):
-    if value != "none" and not target.is_cuda:
-        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-            return "torch.compile on the CPU needs a C++ compiler (none found on PATH)"
+    if value == "none":
+        return None
+    if value in CUDA_GRAPH_MODES and not target.is_cuda:
+        return f"mode {value} captures CUDA graphs: CUDA only"
+    if not target.is_cuda and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        return "torch.compile on the CPU needs a C++ compiler (none found on PATH)"
     return None
 
 
 COMPILE = Knob(
     name="compile",
-    choices=("none", "default"),
+    choices=("none", *MODES),
     default="none",
-    help="torch.compile the denoiser (cost: compilation at the first call)",
+    help="torch.compile the denoiser in this mode (cost: compilation at the first call)",
     apply=_apply_compile,
     unavailable=_compile_unavailable,
+)
+
+COMPILE_FULLGRAPH = Knob(
+    name="compile_fullgraph",
+    choices=(False, True),
+    default=False,
+    help="compile with fullgraph=True (no graph breaks; not with hooks or caches)",
+    apply=nothing,  # read by compile
+)
+
+
+def _regional_unavailable(value, target):
+    if not value:
+        return None
+    cls = denoiser_class(target.family)
+    if not getattr(cls, "_repeated_blocks", None):
+        return f"{cls.__name__} names no _repeated_blocks: compile_repeated_blocks raises ValueError"
+    return None
+
+
+COMPILE_REGIONAL = Knob(
+    name="compile_regional",
+    choices=(False, True),
+    default=False,
+    help="compile only the repeated blocks (compile_repeated_blocks): far shorter compile",
+    apply=nothing,  # read by compile
+    unavailable=_regional_unavailable,
+)
+
+COMPILE_VAE = Knob(
+    name="compile_vae",
+    choices=(False, True),
+    default=False,
+    help="compile the VAE decoder too, in the same mode",
+    apply=nothing,  # read by compile
+)
+
+# The SDXL guide's inductor settings ("Accelerate inference of text-to-image diffusion models").
+# Process-global, like torchao's own set_inductor_config: a trial is its own process.
+_GUIDE_FLAGS = {
+    "conv_1x1_as_mm": True,
+    "coordinate_descent_tuning": True,
+    "epilogue_fusion": False,
+    "coordinate_descent_check_all_directions": True,
+}
+_INT8_FLAGS = {"force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}  # with dynamic int8
+
+
+def _apply_inductor_flags(pipe, value, target, config):
+    if not value:
+        return
+    from torch._inductor import config as inductor
+
+    flags = dict(_GUIDE_FLAGS)
+    if config["quantize"] in ("int8dq", "int8dq-filtered"):
+        flags.update(_INT8_FLAGS)
+    for name, setting in flags.items():
+        if hasattr(inductor, name):  # flags come and go between torch releases
+            setattr(inductor, name, setting)
+
+
+INDUCTOR_FLAGS = Knob(
+    name="inductor_flags",
+    choices=(False, True),
+    default=False,
+    help="the SDXL guide's inductor flags (1x1 convs as matmuls, coordinate-descent tuning, ...)",
+    apply=_apply_inductor_flags,
 )

@@ -7,7 +7,7 @@ import torch
 from .base import Knob, denoiser
 
 
-def _apply_fuse_qkv(pipe, value, target):
+def _apply_fuse_qkv(pipe, value, target, config):
     if not value:
         return
     if target.has_unet:
@@ -27,7 +27,7 @@ FUSE_QKV = Knob(
 )
 
 
-def _apply_channels_last(pipe, value, target):
+def _apply_channels_last(pipe, value, target, config):
     if not value:
         return
     # Only convolutional networks gain from NHWC: the UNet and the VAE, not a transformer.

@@ -1,11 +1,12 @@
-"""Settings that trade speed for device memory: VAE slicing and tiling, CPU offload."""
+"""Settings that trade speed for device memory: VAE slicing and tiling, CPU offload of every kind,
+and placement across several GPUs."""
 
 from __future__ import annotations
 
 from .base import Knob
 
 
-def _apply_vae_slicing(pipe, value, target):
+def _apply_vae_slicing(pipe, value, target, config):
     # Decodes a batch one image at a time: acts only when batch_size > 1.
     if value:
         pipe.vae.enable_slicing()
@@ -21,7 +22,7 @@ VAE_SLICING = Knob(
 )
 
 
-def _apply_vae_tiling(pipe, value, target):
+def _apply_vae_tiling(pipe, value, target, config):
     # Decodes overlapping tiles: acts only above the VAE's sample_size (1024 for SDXL).
     if value:
         pipe.vae.enable_tiling()
@@ -36,32 +37,100 @@ VAE_TILING = Knob(
     memory_rank={False: 1, True: 0},
 )
 
-# Offload moves weights between host and device memory with accelerate hooks, so the pipeline is
-# not moved to the device first (knobs.apply_config asks `places_on_device`).
+# Offload moves weights between host and device memory with hooks, so the pipeline is not moved
+# to the device first (knobs.apply_config asks `places_on_device`): "never .to('cuda') before
+# sequential offload". All offload kinds are choices of one knob, so they exclude each other by
+# construction (diffusers raises ValueError for group offload on top of model/sequential offload).
 _OFFLOADS = {"model": "enable_model_cpu_offload", "sequential": "enable_sequential_cpu_offload"}
+# Group offload (`pipe.enable_group_offload`, every component): block_level moves N top-level
+# blocks at a time, leaf_level one leaf module at a time. "-stream" prefetches the next group on a
+# CUDA stream while this one computes (record_stream too: faster, slightly more memory).
+_GROUPS = {
+    "group-block-1": dict(offload_type="block_level", num_blocks_per_group=1),
+    "group-block-2": dict(offload_type="block_level", num_blocks_per_group=2),
+    "group-block-1-stream": dict(offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                                 record_stream=True),
+    "group-leaf": dict(offload_type="leaf_level"),
+    "group-leaf-stream": dict(offload_type="leaf_level", use_stream=True, record_stream=True),
+}
 
 
-def places_on_device(value) -> bool:
-    return value not in _OFFLOADS
+def places_on_device(config) -> bool:
+    """Whether apply_config moves the whole pipeline to the target device itself (no offload
+    hooks and no multi-GPU placement do it instead)."""
+    return config.get("offload", "none") == "none" and config.get("placement", "single") == "single"
 
 
-def _apply_offload(pipe, value, target):
+def _apply_offload(pipe, value, target, config):
+    import torch
+
     if value in _OFFLOADS:
         getattr(pipe, _OFFLOADS[value])(device=target.device)
+    elif value in _GROUPS:
+        pipe.enable_group_offload(onload_device=torch.device(target.device), offload_device=torch.device("cpu"),
+                                  **_GROUPS[value])
 
 
 def _offload_unavailable(value, target):
     if value in _OFFLOADS and not target.is_cuda:
         return "CPU offload needs an accelerator: on the CPU the weights already live in host memory"
+    if value in _GROUPS and not target.is_cuda:
+        return "group offload needs a CUDA GPU: on the CPU the weights already live in host memory"
     return None
 
 
 OFFLOAD = Knob(
     name="offload",
-    choices=("none", *_OFFLOADS),
+    choices=("none", *_OFFLOADS, *_GROUPS),
     default="none",
-    help="keep weights in host memory and move them to the device per model or per layer",
+    help="keep weights in host memory and move them to the GPU per model, per layer or per group of blocks",
     apply=_apply_offload,
     unavailable=_offload_unavailable,
-    memory_rank={"none": 2, "model": 1, "sequential": 0},  # whole pipeline, one model, one layer
+    # Known order: the whole pipeline > one model at a time > one block (group-block-1, no
+    # prefetch) > one layer. Stream kinds prefetch a second group, and leaf groups against
+    # sequential are not known: left out of the ranking.
+    memory_rank={"none": 3, "model": 2, "group-block-1": 1, "sequential": 0},
+)
+
+
+def _apply_placement(pipe, value, target, config):
+    if value != "balanced":
+        return
+    # What DiffusionPipeline.from_pretrained(device_map="balanced") does, on a built pipeline:
+    # whole components, largest first, dealt to the GPUs by diffusers' own assignment, each then
+    # dispatched by accelerate as from_pretrained dispatches it.
+    import torch
+    from accelerate import dispatch_model
+    from diffusers.pipelines.pipeline_loading_utils import _assign_components_to_devices
+
+    modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in modules.items()}
+    sizes = dict(sorted(sizes.items(), key=lambda item: item[1], reverse=True))
+    free = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
+    free = dict(sorted(free.items(), key=lambda item: item[1], reverse=True))
+    assignment = _assign_components_to_devices(sizes, free, "balanced")
+    device_map = {name: device for device, names in assignment.items() for name in names}
+    for name, device in device_map.items():
+        dispatch_model(modules[name], device_map={"": device})
+    pipe.hf_device_map = device_map
+
+
+def _placement_unavailable(value, target):
+    if value == "single":
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not target.is_cuda or count < 2:
+        return f"balanced placement needs more than one CUDA GPU visible ({count} here)"
+    return None
+
+
+PLACEMENT = Knob(
+    name="placement",
+    choices=("single", "balanced"),
+    default="single",
+    help='spread whole components over the visible GPUs (device_map="balanced"); needs 2+ GPUs',
+    apply=_apply_placement,
+    unavailable=_placement_unavailable,
 )

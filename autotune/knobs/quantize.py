@@ -1,37 +1,107 @@
-"""torchao quantization of the denoiser's linear layers."""
+"""How the denoiser's weights are stored: torchao quantization, or fp8 storage with layerwise casting.
+
+Both rewrite the weights, so both come after fuse_qkv in APPLY_ORDER (a quantized or fp8 weight
+cannot be concatenated into a fused projection), and they exclude each other (knobs.CONFLICTS).
+"""
 
 from __future__ import annotations
 
+import torch
+
 from .base import Knob, denoiser, package_missing
+
+# The linear shapes the SDXL guide ("Accelerate inference of text-to-image diffusion models")
+# leaves in bfloat16 under dynamic int8: for these, quantizing the activations cost more than the
+# int8 matmul saved. Layers with 16 or fewer input features are left alone too.
+_SDXL_GUIDE_SKIPPED_SHAPES = {
+    (1280, 640), (1920, 1280), (1920, 640), (2048, 1280), (2048, 2560), (2560, 1280), (256, 128),
+    (2816, 1280), (320, 640), (512, 1536), (512, 256), (512, 512), (640, 1280), (640, 1920),
+    (640, 320), (640, 5120), (640, 640), (960, 320), (960, 640),
+}
+
+
+def guide_filter(module, fqn: str = "") -> bool:
+    """The SDXL guide's `dynamic_quant_filter_fn`: which linear layers dynamic int8 pays for."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and module.in_features > 16
+        and (module.in_features, module.out_features) not in _SDXL_GUIDE_SKIPPED_SHAPES
+    )
 
 
 def _torchao_config(value):
     # Imported here: torchao is heavy to import and changes global inductor settings on use
     # (set_inductor_config), which is fine in a trial's own process and in production.
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    from torchao.quantization import quant_api as q
 
-    return {"int8wo": Int8WeightOnlyConfig, "int8dq": Int8DynamicActivationInt8WeightConfig}[value]()
+    if value == "int8wo":
+        return q.Int8WeightOnlyConfig()
+    if value in ("int8dq", "int8dq-filtered"):
+        return q.Int8DynamicActivationInt8WeightConfig()
+    if value == "float8dq":
+        return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow())
+    if value == "int4wo":
+        # torchao 0.18's default packing (PLAIN) needs the mslk package; the tile-packed format
+        # runs on torch's own tinygemm kernel (CUDA, SM >= 8.0, bfloat16 weights).
+        from torchao.quantization import Int4PackingFormat
+
+        return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
+    raise ValueError(value)
 
 
-def _apply_quantize(pipe, value, target):
+def _apply_quantize(pipe, value, target, config):
     if value == "none":
         return
     from torchao.quantization import quantize_
 
-    quantize_(denoiser(pipe), _torchao_config(value))
+    kwargs = {"filter_fn": guide_filter} if value == "int8dq-filtered" else {}
+    quantize_(denoiser(pipe), _torchao_config(value), **kwargs)
+
+
+_CUDA_ONLY = {
+    "float8dq": ((8, 9), "float8 matmuls (torch._scaled_mm) need a CUDA GPU of compute capability 8.9 or more"),
+    "int4wo": ((8, 0), "the int4 tinygemm kernel needs a CUDA GPU of compute capability 8.0 or more"),
+}
 
 
 def _quantize_unavailable(value, target):
-    if value != "none":
-        return package_missing("torchao")
-    return None
+    if value == "none":
+        return None
+    if value in _CUDA_ONLY:
+        least, reason = _CUDA_ONLY[value]
+        if not target.is_cuda or target.capability is None or tuple(target.capability) < least:
+            here = f"compute capability {target.capability}" if target.is_cuda else "a CPU"
+            return f"{reason} ({here} here)"
+    return package_missing("torchao")
 
 
 QUANTIZE = Knob(
     name="quantize",
-    choices=("none", "int8wo", "int8dq"),
+    choices=("none", "int8wo", "int8dq", "int8dq-filtered", "float8dq", "int4wo"),
     default="none",
-    help="torchao int8 quantization of the denoiser: weight-only, or dynamic activations too",
+    help="torchao quantization of the denoiser's linear layers: int8 weight-only, dynamic int8 "
+    "(all layers, or the SDXL guide's filter), dynamic float8 row-wise, int4 weight-only",
     apply=_apply_quantize,
     unavailable=_quantize_unavailable,
+)
+
+
+_FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+
+
+def _apply_layerwise_casting(pipe, value, target, config):
+    if value == "none":
+        return
+    # Weights are stored in fp8 and upcast, layer by layer, to the config's dtype for compute.
+    # diffusers skips the precision-critical layers (norms, embeddings) by its own patterns.
+    denoiser(pipe).enable_layerwise_casting(storage_dtype=_FP8[value], compute_dtype=pipe.dtype)
+
+
+LAYERWISE_CASTING = Knob(
+    name="layerwise_casting",
+    choices=("none", *_FP8),
+    default="none",
+    help="store the denoiser's weights in fp8 and upcast each layer for compute (lossy, less memory)",
+    apply=_apply_layerwise_casting,
+    memory_rank={"none": 1, "fp8-e4m3": 0, "fp8-e5m2": 0},  # 1 byte per weight against 2 or 4
 )

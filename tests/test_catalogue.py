@@ -1,0 +1,494 @@
+"""The full catalogue (#4): each new knob's effect on a real tiny pipeline, what is dropped on this
+machine and why, and every pair of choices each shipped space allows: applied cleanly, or ruled out.
+
+Nothing is mocked. CUDA cannot exist here, so CUDA-only knobs are checked through their
+availability and the conflict rules against a `Target(device="cuda", capability=(9, 0))` (a plain
+value, never applied); tests/gpu/test_knobs_gpu.py applies them for real on a GPU.
+"""
+
+import copy
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
+from autotune.models import resolve_model
+from autotune.space import SHIPPED_DIR, SearchSpace
+from helpers import build_tiny, generate
+
+FAMILIES = ("sdxl", "sd15", "sd3", "flux")
+H100 = (9, 0)
+
+
+def cpu(family, steps=1):
+    return Target(device="cpu", family=family, steps=steps)
+
+
+def cuda(family, capability=H100):
+    return Target(device="cuda", family=family, capability=capability, steps=4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny pipelines on a shared 2-core machine: two threads fighting other processes made a call
+    # 20x slower than one thread (measured: 5 s against 0.1-0.3 s).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def inductor_config():
+    """The inductor flags are process-global: put them back after a test sets them."""
+    from torch._inductor import config
+
+    saved = config.save_config()
+    yield config
+    config.load_config(saved)
+
+
+def small_call(pipe, steps=1, size=64):
+    """One cheap call: 1 step at 64x64, no classifier-free guidance."""
+    out = pipe(prompt="a red cube", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+               generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+    return out.images
+
+
+def hooks_of(model) -> set:
+    """Names of the diffusers hooks registered anywhere in a model."""
+    names = set()
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None:
+            names.update(registry.hooks)
+    return names
+
+
+def reason(knob, value, target):
+    return CATALOGUE[knob].unavailable(value, target)
+
+
+# ---- precision --------------------------------------------------------------------------------------
+def test_tf32_and_cudnn_benchmark_are_cuda_only_with_a_reason():
+    for knob in ("tf32", "cudnn_benchmark"):
+        assert "needs a CUDA GPU" in reason(knob, True, cpu("sdxl"))
+        assert reason(knob, False, cpu("sdxl")) is None  # the baseline's value always runs
+        assert reason(knob, True, cuda("sdxl")) is None
+
+
+def test_tf32_and_cudnn_benchmark_set_the_process_flags():
+    # The flags exist (and are settable) in a CPU build of torch too: this applies them for real.
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
+    try:
+        CATALOGUE["tf32"].apply(None, True, cuda("sdxl"), {})
+        CATALOGUE["cudnn_benchmark"].apply(None, True, cuda("sdxl"), {})
+        assert matmul.fp32_precision == "tf32" and conv.fp32_precision == "tf32"
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
+
+
+def test_sdxl_in_float16_keeps_the_vae_upcast_and_never_nans():
+    pipe = build_tiny("sdxl", {"dtype": "float16"})
+    assert pipe.vae.dtype == torch.float16
+    assert pipe.vae.config.force_upcast  # the pipeline decodes in float32 because of it
+    assert np.isfinite(small_call(pipe)).all()
+
+
+# ---- weights: quantization and fp8 storage --------------------------------------------------------
+def test_layerwise_casting_stores_denoiser_weights_in_fp8_and_runs():
+    pipe = build_tiny("sd15", {"layerwise_casting": "fp8-e4m3"})
+    dtypes = {p.dtype for p in pipe.unet.parameters()}
+    assert torch.float8_e4m3fn in dtypes
+    assert torch.float32 in dtypes  # diffusers keeps norms and embeddings out of fp8
+    assert "layerwise_casting" in hooks_of(pipe.unet)
+    assert pipe.vae.dtype == torch.float32 and not hooks_of(pipe.vae)
+    images = small_call(pipe)
+    assert np.isfinite(images).all()
+    assert torch.float8_e4m3fn in {p.dtype for p in pipe.unet.parameters()}  # cast back after use
+
+
+def test_layerwise_casting_on_a_transformer_with_bfloat16_compute():
+    pipe = build_tiny("flux", {"dtype": "bfloat16", "layerwise_casting": "fp8-e5m2"})
+    assert torch.float8_e5m2 in {p.dtype for p in pipe.transformer.parameters()}
+    assert np.isfinite(small_call(pipe)).all()
+
+
+def test_int8dq_with_the_guides_filter_quantizes_only_the_layers_it_names():
+    from autotune.knobs.quantize import guide_filter
+
+    # the guide's rule: more than 16 input features, and not one of the SDXL shapes it lists
+    assert guide_filter(torch.nn.Linear(32, 64))
+    assert not guide_filter(torch.nn.Linear(16, 64))
+    assert not guide_filter(torch.nn.Linear(640, 640)) and not guide_filter(torch.nn.Conv2d(32, 32, 1))
+    # the tiny UNet's shapes all pass it (none is listed): every one is quantized, and only they
+    plain = build_tiny("sd15")
+    wanted = {n for n, m in plain.unet.named_modules() if guide_filter(m)}
+    assert wanted
+    pipe = build_tiny("sd15", {"quantize": "int8dq-filtered"})
+    quantized = {n for n, m in pipe.unet.named_modules()
+                 if isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao")}
+    assert quantized == wanted
+    assert np.isfinite(small_call(pipe)).all()
+
+
+def test_float8_and_int4_need_a_recent_cuda_gpu():
+    assert "compute capability 8.9" in reason("quantize", "float8dq", cpu("sdxl"))
+    assert "(compute capability (8, 6) here)" in reason("quantize", "float8dq", cuda("sdxl", (8, 6)))
+    assert reason("quantize", "float8dq", cuda("sdxl", (8, 9))) is None
+    assert "compute capability 8.0" in reason("quantize", "int4wo", cpu("flux"))
+    assert reason("quantize", "int4wo", cuda("flux", (8, 0))) is None
+    # torchao's row-wise float8 and int4 tinygemm take bfloat16 weights only: ruled out otherwise
+    assert conflict({**baseline(), "quantize": "int4wo", "dtype": "float16"})
+    assert not conflict({**baseline(), "quantize": "float8dq", "dtype": "bfloat16"})
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+def test_sdpa_kernel_choice_wraps_the_denoiser_call_and_only_it():
+    """sdpa-math (the one kernel choice that runs on a CPU) holds SDPA to the math kernel inside
+    the denoiser, for a plain pipe(...) call as production makes it; the VAE keeps SDPA's choice."""
+    from torch.nn.attention import SDPBackend
+
+    pipe = build_tiny("sd15", {"attention": "sdpa-math"})
+    assert pipe.unet.forward.sdpa_kernel == SDPBackend.MATH
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+        return hook
+
+    unet_attn = next(m for n, m in pipe.unet.named_modules() if n.endswith("attn1"))
+    vae_attn = pipe.vae.decoder.mid_block.attentions[0]
+    unet_attn.register_forward_pre_hook(record("unet"))
+    vae_attn.register_forward_pre_hook(record("vae"))
+    assert np.isfinite(small_call(pipe)).all()
+    assert seen["unet"] == (False, True)  # only math inside the denoiser
+    assert seen["vae"] == (True, True)  # SDPA's own choice outside it
+    assert torch.backends.cuda.flash_sdp_enabled()  # and the context is left after the call
+
+
+def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():
+    for value in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers"):
+        assert "needs a CUDA GPU" in reason("attention", value, cpu("sdxl")), value
+    assert reason("attention", "sdpa-flash", cuda("sdxl")) is None
+    assert "8.0" in reason("attention", "sdpa-cudnn", cuda("sdxl", (7, 5)))
+    # xFormers: not installed here, which is the reason given on a GPU
+    assert "'xformers' is not installed" in reason("attention", "xformers", cuda("sd15"))
+
+
+def test_dispatcher_backends_are_flux_only_and_need_their_packages():
+    assert "no-op for sdxl" in reason("attention", "flash-attn", cuda("sdxl"))
+    assert "no-op for sd3" in reason("attention", "sage", cuda("sd3"))
+    # on Flux the reason is diffusers' own requirement check (flash-attn is not installed here)
+    assert "flash" in reason("attention", "flash-attn", cuda("flux")).lower()
+    assert "Hopper" in reason("attention", "flash-attn-3", cuda("flux", (8, 9)))
+
+
+def test_attention_slicing_xformers_and_fused_qkv_exclude_each_other():
+    fused = {**baseline(), "fuse_qkv": True}
+    assert conflict({**fused, "attention": "sliced"})
+    assert conflict({**fused, "attention": "xformers"}, "sdxl")
+    assert conflict({**fused, "attention": "xformers"}, "sd3")
+    assert conflict({**fused, "attention": "xformers"}, "flux") is None  # a dispatcher backend there
+    assert conflict({**fused, "attention": "sdpa-flash", "dtype": "bfloat16"}) is None
+    # slicing and xFormers are choices of one knob: they exclude each other by construction
+    assert {"sliced", "xformers", "sdpa-flash", "flash-attn"} <= set(CATALOGUE["attention"].choices)
+
+
+# ---- caches ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("choice, hook", [
+    ("first-block", "fbc_leader_block_hook"),
+    ("taylorseer", "taylorseer_cache"),
+    ("magcache", "mag_cache_leader_block_hook"),
+])
+def test_caches_hook_the_flux_transformer(choice, hook):
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+
+    pipe = build_configured(resolve_model("tiny-flux"), {"cache": choice}, cpu("flux", steps=2))
+    pipe.set_progress_bar_config(disable=True)
+    wanted = {"first-block": FirstBlockCacheConfig, "taylorseer": TaylorSeerCacheConfig, "magcache": MagCacheConfig}
+    assert isinstance(pipe.transformer._cache_config, wanted[choice])
+    assert hook in hooks_of(pipe.transformer)
+    first, second = small_call(pipe, steps=2), small_call(pipe, steps=2)
+    assert np.isfinite(first).all()
+    np.testing.assert_array_equal(first, second)  # the cache's state is reset between calls
+
+
+def test_magcache_takes_the_workload_steps():
+    pipe = build_configured(resolve_model("tiny-flux"), {"cache": "magcache"}, cpu("flux", steps=7))
+    assert pipe.transformer._cache_config.num_inference_steps == 7
+    assert len(pipe.transformer._cache_config.mag_ratios) == 7
+    with pytest.raises(ValueError, match="step count"):
+        build_configured(resolve_model("tiny-flux"), {"cache": "magcache"}, Target(device="cpu", family="flux"))
+
+
+def test_caches_are_dropped_where_the_model_has_no_enable_cache():
+    for family in ("sdxl", "sd15", "sd3"):
+        why = reason("cache", "first-block", cpu(family))
+        assert "has no enable_cache" in why, family
+    assert reason("cache", "taylorseer", cpu("flux")) is None
+
+
+# ---- memory: offload, placement ---------------------------------------------------------------------
+def test_group_offload_is_cuda_only_and_ranked_where_known():
+    offload = CATALOGUE["offload"]
+    for value in ("group-block-1", "group-block-1-stream", "group-leaf", "group-leaf-stream"):
+        assert "needs a CUDA GPU" in offload.unavailable(value, cpu("sdxl"))
+        assert offload.unavailable(value, cuda("sdxl")) is None
+    assert offload.needs_no_less_memory("model", "group-block-1")
+    assert offload.needs_no_less_memory("group-block-1", "sequential")
+    assert not offload.needs_no_less_memory("group-block-1", "model")
+    # prefetching kinds are not ranked: nothing is pruned on their account
+    assert not offload.needs_no_less_memory("none", "group-leaf-stream")
+    assert CATALOGUE["layerwise_casting"].needs_no_less_memory("none", "fp8-e4m3")
+
+
+def test_offload_kinds_exclude_each_other_and_keep_the_pipeline_off_the_gpu():
+    from autotune.knobs.memory import places_on_device
+
+    # one knob: model, sequential and group offload can never be combined
+    assert {"model", "sequential", "group-block-1", "group-leaf-stream"} <= set(CATALOGUE["offload"].choices)
+    for value in CATALOGUE["offload"].choices:
+        assert places_on_device({"offload": value}) == (value == "none")
+    assert not places_on_device({"placement": "balanced"})
+
+
+def test_balanced_placement_needs_more_than_one_gpu():
+    why = reason("placement", "balanced", cuda("sdxl"))
+    assert "more than one CUDA GPU" in why and "(0 here)" in why
+    assert conflict({**baseline(), "placement": "balanced", "offload": "model"})
+
+
+# ---- compile -----------------------------------------------------------------------------------------
+def compiled(module) -> bool:
+    return module._compiled_call_impl is not None
+
+
+def test_compile_modes_and_what_needs_cuda():
+    assert "CUDA graphs" in reason("compile", "reduce-overhead", cpu("sdxl"))
+    assert "CUDA graphs" in reason("compile", "max-autotune", cpu("sdxl"))
+    assert reason("compile", "max-autotune-no-cudagraphs", cpu("sdxl")) is None
+    for mode in ("reduce-overhead", "max-autotune"):
+        assert conflict({**baseline(), "compile": mode, "offload": "model"})
+        assert conflict({**baseline(), "compile": mode, "offload": "group-leaf-stream"})
+
+
+def test_regional_compile_wraps_the_repeated_blocks_only():
+    # compiled, never called: compiling takes minutes per pipeline on this CPU
+    pipe = build_tiny("flux", {"compile": "default", "compile_regional": True})
+    blocks = [m for m in pipe.transformer.modules()
+              if type(m).__name__ in ("FluxTransformerBlock", "FluxSingleTransformerBlock")]
+    assert blocks and all(compiled(b) for b in blocks)
+    assert not compiled(pipe.transformer)
+    assert "_repeated_blocks" in reason("compile_regional", True, cpu("sd3"))
+    assert reason("compile_regional", True, cpu("sdxl")) is None
+
+
+def test_compile_vae_and_fullgraph():
+    pipe = build_tiny("sd15", {"compile": "max-autotune-no-cudagraphs", "compile_vae": True, "compile_fullgraph": True})
+    assert compiled(pipe.unet) and compiled(pipe.vae.decoder)
+    assert not compiled(build_tiny("sd15", {"compile": "default"}).vae.decoder)
+    for rule in ({"offload": "sequential"}, {"cache": "first-block"}, {"layerwise_casting": "fp8-e4m3"}):
+        assert conflict({**baseline(), "compile": "default", "compile_fullgraph": True, **rule}), rule
+    # the compile sub-knobs only mean something when compiling
+    for knob in ("compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags"):
+        assert conflict({**baseline(), knob: True}), knob
+
+
+def test_inductor_flags_set_the_guides_settings(inductor_config):
+    build_tiny("sd15", {"compile": "default", "inductor_flags": True, "quantize": "int8dq"})
+    assert inductor_config.conv_1x1_as_mm is True
+    assert inductor_config.coordinate_descent_tuning is True
+    assert inductor_config.epilogue_fusion is False
+    if hasattr(inductor_config, "force_fuse_int_mm_with_mul"):
+        assert inductor_config.force_fuse_int_mm_with_mul is True
+
+
+def test_tracing_is_documented_as_superseded():
+    from autotune.knobs import compile as compile_knobs
+
+    assert "torch.jit.trace" in compile_knobs.__doc__ and "superseded" in compile_knobs.__doc__
+
+
+# ---- the order and the rules ----------------------------------------------------------------------------
+def test_apply_order_puts_weight_rewrites_after_fusion_and_hooks_after_module_changes():
+    order = [k.name for k in APPLY_ORDER]
+    at = order.index
+    assert at("fuse_qkv") < at("quantize") < at("layerwise_casting")
+    assert at("attention") < at("cache") < at("offload") < at("compile")
+    assert at("placement") < at("offload")
+    assert order.index("compile") == min(at(n) for n in order if n.startswith("compile"))
+    assert len(order) == len(set(order)) == len(CATALOGUE)
+
+
+def test_every_conflict_names_known_knobs_and_choices():
+    for rule, why in CONFLICTS:
+        assert why and "\n" not in why
+        for name, wanted in rule.items():
+            if name == "family":
+                assert set(wanted) <= set(FAMILIES)
+                continue
+            for value in wanted if isinstance(wanted, list) else [wanted]:
+                CATALOGUE[name].check(value)
+
+
+# ---- every pair each shipped space allows ---------------------------------------------------------
+COMPILE_KNOBS = ("compile", "compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags")
+
+
+def allowed_pairs(space):
+    """Every single choice and every pair of choices (of two knobs) away from the baseline that
+    `space` can propose, as full configs; a knob searched under `when` brings the condition it
+    needs (compile_fullgraph=True comes with compile=default). Pairs the space can never propose
+    (their `when` conditions disagree) are left out. Returns [(pair, config)]."""
+    values = [(d.name, v) for d in space.dimensions for v in d.choices if v != CATALOGUE[d.name].default]
+    dims = {d.name: d for d in space.dimensions}
+    out = []
+    for combo in itertools.chain(((p,) for p in values), itertools.combinations(values, 2)):
+        if len({name for name, _ in combo}) < len(combo):
+            continue
+        partial = dict(combo)
+        for name, _ in combo:
+            for other, wanted in (dims[name].when or {}).items():
+                partial.setdefault(other, wanted[0] if isinstance(wanted, list) else wanted)
+        config = space.normalize(partial)
+        if all(config[name] == value for name, value in combo):
+            out.append((dict(combo), config))
+    return out
+
+
+def key(config) -> str:
+    return str(sorted(config.items(), key=str))
+
+
+def split_compile(config):
+    """The config without its compile knobs, and the compile knobs alone."""
+    rest = {k: (CATALOGUE[k].default if k in COMPILE_KNOBS else v) for k, v in config.items()}
+    return rest, {k: config[k] for k in COMPILE_KNOBS}
+
+
+def uncompile(pipe):
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            for m in module.modules():
+                m._compiled_call_impl = None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_pair_a_shipped_space_allows_applies_cleanly_or_is_ruled_out(family, inductor_config):
+    """Both the family's space and default.yaml, restricted to this CPU. Each allowed pair is
+    applied (apply_config, the path trials and production share) to a copy of the family's tiny
+    pipeline, followed by one call (1 step, 64x64). Compile pairs are applied but never called:
+    compiling takes minutes here. Their compile knobs are applied last onto the copy that the rest
+    of the config was applied to (compile is last in APPLY_ORDER, so this is the same sequence),
+    and the test checks the modules are wrapped (`_compiled_call_impl`); the copy is then
+    un-wrapped for the next compile variant."""
+    started = time.perf_counter()
+    spec = resolve_model(f"tiny-{family}")
+    target = cpu(family)
+    spaces = [SearchSpace.from_file(SHIPPED_DIR / f"{name}.yaml").restrict(target) for name in (family, "default")]
+    configs, forbidden = {}, {}
+    for space in spaces:
+        for pair, config in allowed_pairs(space):
+            why = space.forbidden(config)
+            if why:
+                forbidden[key(config)] = (pair, why)
+            else:
+                configs[key(config)] = (pair, config)
+    # what was dropped on this machine is reported with a reason, and never proposed
+    dropped = {(d.knob, d.value) for space in spaces for d in space.dropped}
+    assert all(d.reason for space in spaces for d in space.dropped)
+    for pair, config in configs.values():
+        assert not any((k, v) in dropped for k, v in config.items() if v != CATALOGUE[k].default), pair
+
+    groups = {}
+    for pair, config in configs.values():
+        rest, compile_part = split_compile(config)
+        groups.setdefault(key(rest), (rest, []))[1].append((pair, compile_part))
+    bases = {}
+    compile_knobs = [k for k in APPLY_ORDER if k.name in COMPILE_KNOBS]
+    calls = compiled_checks = 0
+    for rest, variants in groups.values():
+        if rest["dtype"] not in bases:
+            bases[rest["dtype"]] = build_configured(spec, {"dtype": rest["dtype"]}, target)
+        base = bases[rest["dtype"]]
+        # the denoiser and the VAE are what knobs change; the text encoders are shared
+        denoiser = "unet" if family in ("sdxl", "sd15") else "transformer"
+        pipe = type(base).from_pipe(base, **{denoiser: copy.deepcopy(getattr(base, denoiser)),
+                                             "vae": copy.deepcopy(base.vae)})
+        pipe.set_progress_bar_config(disable=True)
+        apply_config(pipe, rest, target)
+        assert np.isfinite(small_call(pipe)).all(), (family, variants[0][0])
+        calls += 1
+        for pair, compile_part in variants:
+            if compile_part["compile"] == "none":
+                continue
+            full = {**rest, **compile_part}
+            for knob in compile_knobs:
+                knob.apply(pipe, full[knob.name], target, full)
+            model = getattr(pipe, denoiser)
+            if full["compile_regional"]:
+                assert any(m._compiled_call_impl is not None for m in model.modules()), pair
+            else:
+                assert model._compiled_call_impl is not None, pair
+            assert (pipe.vae.decoder._compiled_call_impl is not None) == full["compile_vae"], pair
+            compiled_checks += 1
+            uncompile(pipe)
+    elapsed = time.perf_counter() - started
+    print(f"{family}: {len(configs)} allowed configs ({calls} called, {compiled_checks} compile checks), "
+          f"{len(forbidden)} forbidden, {len(dropped)} choices dropped, {elapsed:.1f} s")
+    assert calls > 20 and compiled_checks > 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_pair_on_a_cuda_target_is_allowed_only_if_its_choices_run_there(family):
+    """The same spaces restricted to a CUDA GPU of capability 9.0 (a value: nothing runs on CUDA
+    here): every pair is built from choices available there, and the known-invalid ones are ruled
+    out with a reason."""
+    target = cuda(family)
+    space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(target)
+    dropped = {(d.knob, d.value): d.reason for d in space.dropped}
+    assert "more than one CUDA GPU" in dropped[("placement", "balanced")]
+    assert "'xformers' is not installed" in dropped[("attention", "xformers")]
+    pairs = allowed_pairs(space)
+    ruled_out = {}
+    for pair, config in pairs:
+        complete(config)
+        for k, v in config.items():
+            assert CATALOGUE[k].unavailable(v, target) is None, (pair, k, v)
+        why = space.forbidden(config)
+        if why:
+            ruled_out[key(pair)] = why
+    assert len(pairs) > 200
+
+    def out(**pair):
+        return ruled_out.get(key(pair))
+
+    assert "CUDA-graph" in out(compile="reduce-overhead", offload="model")
+    assert "fullgraph" in out(compile_fullgraph=True, offload="group-leaf-stream")
+    assert "bfloat16" in out(dtype="float16", quantize="float8dq")
+    assert "rewrite" in out(quantize="int8dq", layerwise_casting="fp8-e4m3")
+    assert "float16/bfloat16" in out(attention="sdpa-flash")  # with the baseline's float32
+    assert out(offload="model", vae_slicing=True) is None
+    if family == "flux":
+        assert "cache hooks" in out(compile_fullgraph=True, cache="first-block")
+    print(f"{family} on cuda (9, 0): {len(pairs)} pairs, {len(ruled_out)} ruled out, {len(dropped)} dropped")
+
+
+def test_list_knobs_for_sdxl_prints_the_space_and_every_drop_with_its_reason(cli):
+    proc = cli("--model", "sdxl", "--list-knobs")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for line in ("quantize=float8dq: float8 matmuls", "attention=sdpa-flash: sdpa-flash needs a CUDA GPU",
+                 "offload=group-leaf-stream: group offload needs a CUDA GPU",
+                 "placement=balanced: balanced placement needs more than one CUDA GPU",
+                 "compile=reduce-overhead: mode reduce-overhead captures CUDA graphs", "tf32=True: TF32 needs"):
+        assert line in out, line
+    assert "compile_regional" in out and "when compile is not none" in out
+    assert "fixed at False" in out  # tf32: not searched here
