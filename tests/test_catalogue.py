@@ -17,7 +17,7 @@ import torch
 from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
 from autotune.models import resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
-from helpers import build_tiny, generate
+from helpers import build_tiny
 
 FAMILIES = ("sdxl", "sd15", "sd3", "flux")
 H100 = (9, 0)

@@ -1,0 +1,159 @@
+"""The CUDA-only knobs of the catalogue (#4), applied for real on a tiny pipeline, each followed by a
+call. Skipped without CUDA (conftest.py); a choice this GPU cannot run (xFormers not installed,
+float8 below SM 8.9, one GPU for balanced placement) skips with the catalogue's own reason.
+
+Run on a GPU machine with `python -m pytest tests/gpu/test_knobs_gpu.py -q -rs`.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from autotune.knobs import APPLY_ORDER, CATALOGUE, Target, apply_config, build_configured
+from autotune.models import resolve_model
+from autotune.space import SHIPPED_DIR, SearchSpace
+from test_catalogue import COMPILE_KNOBS, allowed_pairs, hooks_of, key, split_compile
+
+
+def target(family, steps=2):
+    return Target(device="cuda", family=family, capability=torch.cuda.get_device_capability(), steps=steps)
+
+
+def needs(knob, value, family="sdxl"):
+    why = CATALOGUE[knob].unavailable(value, target(family))
+    if why:
+        pytest.skip(f"{knob}={value}: {why}")
+
+
+def run(config, family="sdxl", steps=2):
+    spec = resolve_model(f"tiny-{family}")
+    pipe = build_configured(spec, config, target(family, steps))
+    pipe.set_progress_bar_config(disable=True)
+    w = spec.default_workload
+    out = pipe(prompt="a cube", height=w.height, width=w.width, num_inference_steps=steps,
+               generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+    assert np.isfinite(out.images).all(), config
+    return pipe
+
+
+@pytest.fixture
+def restore_flags():
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
+    yield
+    matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
+
+
+def test_tf32_and_cudnn_benchmark(restore_flags):
+    run({"tf32": True, "cudnn_benchmark": True})
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.benchmark
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("kernel", ["sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"])
+def test_sdpa_kernel_holds_the_denoiser_to_one_kernel(kernel, family):
+    needs("attention", kernel, family)
+    pipe = run({"dtype": "bfloat16", "attention": kernel}, family)
+    from torch.nn.attention import SDPBackend
+
+    from autotune.knobs.attention import _SDPA_KERNELS
+
+    model = pipe.unet if family == "sdxl" else pipe.transformer
+    assert model.forward.sdpa_kernel == getattr(SDPBackend, _SDPA_KERNELS[kernel])
+
+
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
+def test_xformers(family):
+    needs("attention", "xformers", family)
+    pipe = run({"dtype": "float16", "attention": "xformers"}, family)
+    if family == "sd15":
+        assert any("XFormers" in type(p).__name__ for p in pipe.unet.attn_processors.values())
+
+
+@pytest.mark.parametrize("backend", ["flash-attn", "flash-attn-3", "sage"])
+def test_flux_dispatcher_backends(backend):
+    needs("attention", backend, "flux")
+    run({"dtype": "bfloat16", "attention": backend}, "flux")
+
+
+@pytest.mark.parametrize("kind", ["group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
+                                  "group-leaf-stream"])
+def test_group_offload_keeps_weights_on_the_host(kind):
+    pipe = run({"dtype": "bfloat16", "offload": kind})
+    assert "group_offloading" in hooks_of(pipe.unet)
+    if "stream" not in kind:  # streamed groups keep pinned host copies; the plain ones go back
+        assert next(pipe.unet.parameters()).device.type == "cpu"
+
+
+def test_layerwise_casting_with_group_offload():
+    pipe = run({"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3", "offload": "group-leaf-stream"})
+    assert {"layerwise_casting", "group_offloading"} <= hooks_of(pipe.unet)
+
+
+@pytest.mark.parametrize("choice", ["float8dq", "int4wo", "int8dq"])
+def test_quantize_on_cuda(choice):
+    needs("quantize", choice)
+    pipe = run({"dtype": "bfloat16", "quantize": choice})
+    assert any(type(m.weight).__module__.startswith("torchao") for m in pipe.unet.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("cache", ["first-block", "taylorseer", "magcache"])
+def test_flux_caches_on_cuda(cache):
+    run({"dtype": "bfloat16", "cache": cache}, "flux", steps=4)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_modes_regional_and_vae(mode):
+    pipe = run({"dtype": "bfloat16", "compile": mode, "compile_regional": True, "compile_vae": True}, "flux")
+    assert pipe.vae.decoder._compiled_call_impl is not None
+
+
+def test_compile_fullgraph_with_fused_qkv_and_inductor_flags():
+    from torch._inductor import config
+
+    saved = config.save_config()
+    try:
+        run({"dtype": "bfloat16", "fuse_qkv": True, "channels_last": True, "compile": "default",
+             "compile_fullgraph": True, "inductor_flags": True}, "sd15")
+    finally:
+        config.load_config(saved)
+
+
+def test_balanced_placement_spreads_components():
+    needs("placement", "balanced")
+    pipe = run({"dtype": "bfloat16", "placement": "balanced"})
+    assert len(set(pipe.hf_device_map.values())) > 1
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd15", "sd3", "flux"])
+def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
+    """The CPU pair test's CUDA half: every pair the family's space allows on this GPU, applied to
+    a copy of the tiny pipeline and called once (compile pairs are applied, not called)."""
+    t = target(family, steps=1)
+    space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(t)
+    configs = {}
+    for pair, config in allowed_pairs(space):
+        if not space.forbidden(config):
+            configs[key(config)] = (pair, config)
+    spec = resolve_model(f"tiny-{family}")
+    bases = {}
+    compile_knobs = [k for k in APPLY_ORDER if k.name in COMPILE_KNOBS]
+    for pair, config in configs.values():
+        rest, compile_part = split_compile(config)
+        if rest["dtype"] not in bases:  # on the host: offload must find nothing on the GPU
+            bases[rest["dtype"]] = build_configured(spec, {"dtype": rest["dtype"]}, Target("cpu", family))
+        pipe = copy.deepcopy(bases[rest["dtype"]])
+        pipe.set_progress_bar_config(disable=True)
+        apply_config(pipe, rest, t)
+        if compile_part["compile"] != "none":
+            for knob in compile_knobs:
+                knob.apply(pipe, config[knob.name], t, config)
+            continue
+        out = pipe(prompt="a", height=64, width=64, num_inference_steps=1, output_type="np")
+        assert np.isfinite(out.images).all(), pair
+        del pipe
+        torch.cuda.empty_cache()
