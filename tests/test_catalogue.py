@@ -259,6 +259,14 @@ def test_offload_kinds_exclude_each_other_and_keep_the_pipeline_off_the_gpu():
     assert not places_on_device({"placement": "balanced"})
 
 
+def test_offload_refuses_a_pipeline_that_is_not_on_the_host():
+    # The meta device stands in for a GPU (none here): the check is "anywhere but the CPU".
+    pipe = build_tiny("sd15").to("meta")
+    for value in ("model", "sequential", "group-leaf"):
+        with pytest.raises(ValueError, match="load it on the CPU"):
+            CATALOGUE["offload"].apply(pipe, value, cuda("sd15"), {})
+
+
 def test_balanced_placement_needs_more_than_one_gpu():
     why = reason("placement", "balanced", cuda("sdxl"))
     assert "more than one CUDA GPU" in why and "(0 here)" in why

@@ -64,6 +64,11 @@ def places_on_device(config) -> bool:
 def _apply_offload(pipe, value, target, config):
     import torch
 
+    if value != "none" and pipe.device.type != "cpu":
+        # accelerate's and diffusers' hooks expect the weights on the host; a pipeline moved to
+        # the GPU first keeps a full copy there (sequential offload then fails or wastes memory)
+        raise ValueError(f"offload={value}: the pipeline is on {pipe.device} already; load it on the CPU "
+                         "and let the offload hooks place the weights")
     if value in _OFFLOADS:
         getattr(pipe, _OFFLOADS[value])(device=target.device)
     elif value in _GROUPS:

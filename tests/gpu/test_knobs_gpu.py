@@ -88,6 +88,13 @@ def test_group_offload_keeps_weights_on_the_host(kind):
         assert next(pipe.unet.parameters()).device.type == "cpu"
 
 
+def test_offload_refuses_a_pipeline_already_on_the_gpu():
+    spec = resolve_model("tiny-sd15")
+    pipe = build_configured(spec, {"dtype": "bfloat16"}, target("sd15"))  # placed on the GPU
+    with pytest.raises(ValueError, match="load it on the CPU"):
+        apply_config(pipe, {"dtype": "bfloat16", "offload": "sequential"}, target("sd15"))
+
+
 def test_layerwise_casting_with_group_offload():
     pipe = run({"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3", "offload": "group-leaf-stream"})
     assert {"layerwise_casting", "group_offloading"} <= hooks_of(pipe.unet)
