@@ -137,6 +137,18 @@ def test_int8dq_with_the_guides_filter_quantizes_only_the_layers_it_names():
     assert np.isfinite(small_call(pipe)).all()
 
 
+@pytest.mark.parametrize("family, encoders", [("sdxl", ("text_encoder", "text_encoder_2")),
+                                              ("sd3", ("text_encoder", "text_encoder_2", "text_encoder_3"))])
+def test_quantize_text_encoders_reaches_every_encoder_and_not_the_denoiser(family, encoders):
+    pipe = build_tiny(family, {"quantize_text_encoders": "int8wo"})
+    for name in encoders:
+        linears = [m for m in getattr(pipe, name).modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m.weight).__module__.startswith("torchao") for m in linears), name
+    denoiser = pipe.unet if family == "sdxl" else pipe.transformer
+    assert not any(type(p).__module__.startswith("torchao") for p in denoiser.parameters())
+    assert np.isfinite(small_call(pipe)).all()
+
+
 def test_float8_and_int4_need_a_recent_cuda_gpu():
     assert "compute capability 8.9" in reason("quantize", "float8dq", cpu("sdxl"))
     assert "(compute capability (8, 6) here)" in reason("quantize", "float8dq", cuda("sdxl", (8, 6)))
@@ -428,10 +440,14 @@ def test_every_pair_a_shipped_space_allows_applies_cleanly_or_is_ruled_out(famil
         if rest["dtype"] not in bases:  # a cast copy: cheaper than building tiny-sdxl again
             bases[rest["dtype"]] = apply_config(copy.deepcopy(bases["float32"]), {"dtype": rest["dtype"]}, target)
         base = bases[rest["dtype"]]
-        # the denoiser and the VAE are what knobs change; the text encoders are shared
+        # the denoiser and the VAE are what knobs change; the text encoders are shared, except
+        # with a config that quantizes them
         denoiser = "unet" if family in ("sdxl", "sd15") else "transformer"
-        pipe = type(base).from_pipe(base, **{denoiser: copy.deepcopy(getattr(base, denoiser)),
-                                             "vae": copy.deepcopy(base.vae)})
+        own = [denoiser, "vae"]
+        if rest["quantize_text_encoders"] != "none":
+            own += [name for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
+                    if getattr(base, name, None) is not None]
+        pipe = type(base).from_pipe(base, **{name: copy.deepcopy(getattr(base, name)) for name in own})
         pipe.set_progress_bar_config(disable=True)
         apply_config(pipe, rest, target)
         assert np.isfinite(small_call(pipe)).all(), (family, variants[0][0])

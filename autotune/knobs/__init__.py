@@ -22,7 +22,7 @@ from .compile import COMPILE, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, 
 from .layout import CHANNELS_LAST, FUSE_QKV
 from .memory import OFFLOAD, PLACEMENT, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32
-from .quantize import LAYERWISE_CASTING, QUANTIZE
+from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
 
 APPLY_ORDER: tuple[Knob, ...] = (
     DTYPE,
@@ -30,6 +30,7 @@ APPLY_ORDER: tuple[Knob, ...] = (
     CUDNN_BENCHMARK,
     FUSE_QKV,
     QUANTIZE,
+    QUANTIZE_TEXT_ENCODERS,
     LAYERWISE_CASTING,
     CHANNELS_LAST,
     ATTENTION,

@@ -86,6 +86,32 @@ QUANTIZE = Knob(
 )
 
 
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _apply_quantize_text_encoders(pipe, value, target, config):
+    if value == "none":
+        return
+    from torchao.quantization import quantize_
+
+    # Flux's and SD3's T5-XXL is the largest component after the denoiser (4.7B parameters): its
+    # weights in int8 free most of its memory; it runs once per prompt, so speed matters little.
+    for name in _TEXT_ENCODERS:
+        encoder = getattr(pipe, name, None)
+        if encoder is not None:
+            quantize_(encoder, _torchao_config(value))
+
+
+QUANTIZE_TEXT_ENCODERS = Knob(
+    name="quantize_text_encoders",
+    choices=("none", "int8wo"),
+    default="none",
+    help="torchao int8 weight-only quantization of the text encoders (CLIP, T5)",
+    apply=_apply_quantize_text_encoders,
+    unavailable=lambda value, target: package_missing("torchao") if value != "none" else None,
+)
+
+
 _FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 
 

@@ -108,6 +108,10 @@ def test_quantize_on_cuda(choice):
                if isinstance(m, torch.nn.Linear))
 
 
+def test_text_encoders_in_int8_on_flux():
+    run({"dtype": "bfloat16", "quantize_text_encoders": "int8wo"}, "flux")
+
+
 @pytest.mark.parametrize("cache", ["first-block", "taylorseer", "magcache"])
 def test_flux_caches_on_cuda(cache):
     run({"dtype": "bfloat16", "cache": cache}, "flux", steps=4)
