@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
+# One CPU thread in every test process and every child it starts (trials take the CLI's thread
+# count, torch's default, which reads this). The suite runs on 2 cores with two pytest workers and
+# child processes beside them: OpenMP threads of two processes spinning on the same cores made a
+# tiny pipeline call 20x slower (5 s against 0.1-0.3 s). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import helpers.py by name
 
