@@ -45,7 +45,7 @@ def classify(exc: BaseException) -> str:
     return ERROR
 
 
-def run(request: dict, started: float = _T0) -> dict:
+def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     import numpy as np
     import torch
 
@@ -71,7 +71,9 @@ def run(request: dict, started: float = _T0) -> dict:
     target = Target(device=device, family=spec.family, capability=request.get("capability"), steps=workload.steps)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
-    tracker = MemoryTracker(device)
+    tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)
+    if host_extra_bytes:
+        result["host_fork_correction_bytes"] = host_extra_bytes
     phase = "load"
     try:
         # Importing the pipeline class is paid once per serving process, not per model load:
@@ -154,9 +156,9 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str], started: float = _T0) -> int:
+def main(argv: list[str], started: float = _T0, host_extra_bytes: int = 0) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    result = run(json.loads(request_path.read_text()), started)
+    result = run(json.loads(request_path.read_text()), started, host_extra_bytes)
     _write_json(result_path, result)
     return 0
 
@@ -164,11 +166,14 @@ def main(argv: list[str], started: float = _T0) -> int:
 def forked_main(request_path: str, result_path: str, log_path: str) -> None:
     """Entry point of a trial forked from the fork server (runner.py, launcher "fork")."""
     started = time.perf_counter()
+    from .measure import fork_unmapped_bytes
+
+    unmapped = fork_unmapped_bytes()  # before this process touches anything
     os.setsid()  # lead a process group, as a spawned worker does, so killpg reaches everything
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    main([request_path, result_path], started)
+    main([request_path, result_path], started, host_extra_bytes=unmapped)
 
 
 if __name__ == "__main__":

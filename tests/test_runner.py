@@ -55,6 +55,19 @@ def test_a_trial_measures_latency_memory_and_cold_start(tmp_path, launcher):
     assert result["threads"] >= 1
 
 
+def test_a_forked_trial_reports_no_less_host_memory_than_a_fresh_process(tmp_path):
+    """The budget on a CPU is a serving process's peak: a trial forked from the preloaded server,
+    whose library pages the kernel leaves uncounted, must not report less (measure.py,
+    fork_unmapped_bytes). Same config, both launchers: the forked figure is an upper bound, and
+    a close one (the double-counted pages are a few percent of a tiny pipeline's peak)."""
+    req = request({"dtype": "bfloat16"}, max_calls=2)
+    forked = runner.run_trial(req, tmp_path / "fork", timeout_s=300, launcher="fork")
+    fresh = runner.run_trial(req, tmp_path / "spawn", timeout_s=300, launcher="spawn")
+    assert forked["status"] == fresh["status"] == worker.OK
+    assert forked["host_fork_correction_bytes"] > 0 and "host_fork_correction_bytes" not in fresh
+    assert fresh["peak_memory_bytes"] <= forked["peak_memory_bytes"] <= 1.15 * fresh["peak_memory_bytes"]
+
+
 @LAUNCHERS
 def test_a_trial_over_its_time_limit_is_killed(tmp_path, launcher):
     result = runner.run_trial(request(), tmp_path / "t", timeout_s=1.0, tick_every_s=0.2, launcher=launcher)
