@@ -42,8 +42,8 @@ HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial 
 # A RUNNING trial without a heartbeat for this long was orphaned: failed, retried. The environment
 # variable shortens it for the tests that kill workers.
 GRACE_S = float(os.environ.get("AUTOTUNE_STALE_AFTER_S", 20))
-MAX_RETRIES = 2
-WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study  # an orphaned trial is measured again at most this often
+MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
+WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -75,10 +75,6 @@ class TuneRequest:
     # Quality guard: "auto" (calibrated per study on what bfloat16 alone does), a PSNR in dB, or
     # None / 0 for no quality constraint.
     min_psnr_db: float | str | None = "auto"
-
-    @property
-    def reference_path(self) -> Path:
-        return self.workdir / "reference.npy"
     seed: int | None = None
     launcher: str = "spawn"  # runner.LAUNCHERS
     warm_start: list = field(default_factory=list)  # configs to measure first (an earlier front)
@@ -87,10 +83,31 @@ class TuneRequest:
     hardware: str | None = None
     machine: dict | None = None  # fingerprint.machine(), kept with the study for `export`
 
+    @property
+    def reference_path(self) -> Path:
+        """The study's float32 output the quality guard compares every trial with."""
+        return self.workdir / "reference.npy"
 
     @property
     def margin_bytes(self) -> int:
         return parse_margin(self.margin, self.budget_bytes)
+
+    def trial_request(self, config: Config, output_path: Path) -> dict:
+        """What the child process of a trial of `config` is asked to do (worker.run reads it)."""
+        return {
+            "model": self.spec.to_dict(),
+            "config": config,
+            "workload": self.workload.to_dict(),
+            "device": self.target.device,
+            "capability": self.target.capability,
+            "repeats": self.repeats,
+            "max_calls": self.max_calls,
+            "spread_limit": self.spread_limit,
+            "warmup": self.warmup,
+            "threads": self.threads,
+            "compile_cache_dir": str(self.compile_cache_dir) if self.compile_cache_dir else None,
+            "output_path": str(output_path.resolve()),
+        }
 
 
 @dataclass
@@ -360,16 +377,8 @@ def memory_dominated(config: Config, records: list[TrialRecord]) -> TrialRecord 
 
 
 def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
-    return {
-        "model": req.spec.to_dict(),
-        "config": config,
-        "workload": req.workload.to_dict(),
-        "device": req.target.device,
-        "capability": req.target.capability,
-        "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1,
-        "threads": req.threads,
-        "output_path": str(output.resolve()),
-    }
+    """A trial request that makes one call: for the quality guard's reference outputs."""
+    return {**req.trial_request(config, output), "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1}
 
 
 def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True) -> dict:
@@ -595,23 +604,10 @@ def tune(
             continue
         duplicates_in_a_row = 0
 
-        request = {
-            "model": req.spec.to_dict(),
-            "config": config,
-            "workload": req.workload.to_dict(),
-            "device": req.target.device,
-            "capability": req.target.capability,
-            "repeats": req.repeats,
-            "max_calls": req.max_calls,
-            "spread_limit": req.spread_limit,
-            "warmup": req.warmup,
-            "threads": req.threads,
-            "compile_cache_dir": str(req.compile_cache_dir) if req.compile_cache_dir else None,
-            "output_path": str((req.workdir / f"trial-{trial.number:05d}" / "output.npy").resolve()),
-        }
+        trial_dir = req.workdir / f"trial-{trial.number:05d}"
+        request = req.trial_request(config, trial_dir / "output.npy")
         try:
-            result = measure(request, req.workdir / f"trial-{trial.number:05d}",
-                             lambda: _heartbeat(storage, trial))
+            result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue
             # its config again, so the same command resumes by measuring it first.
