@@ -10,18 +10,26 @@ the preloaded server and a fresh serving process).
 from __future__ import annotations
 
 import argparse
+import platform
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
-CASES = [  # model, budget: budgets that bite (float32 does not fit under the first)
-    ("tiny-sdxl", "650MB"),
-    ("tiny-sd15", "1GB"),
-    ("tiny-sd3", "2GB"),
+from autotune.knobs import baseline
+
+RESULTS = Path(__file__).resolve().parent / "results" / "replay_fidelity.md"
+# model, budget: budgets that bite, chosen from peaks measured on the 2-core Xeon this ran on
+# (float32, 808 / 534 / 534 MiB, does not fit with the 5% margin; bfloat16, 730 / 510 / 509-519 MiB,
+# does). Peaks differ between machines and library versions: --cases chooses others.
+CASES = [
+    ("tiny-sdxl", "780MB"),
+    ("tiny-sd15", "545MB"),
+    ("tiny-sd3", "545MB"),
 ]
 
 
@@ -42,11 +50,15 @@ def replayed(stdout: str, label: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", default="8")
+    parser.add_argument("--cases", nargs="*", metavar="MODEL=BUDGET",
+                        help="models and budgets to tune and replay (default: " +
+                        " ".join(f"{m}={b}" for m, b in CASES) + ")")
     args = parser.parse_args()
+    cases = [tuple(c.split("=", 1)) for c in args.cases] if args.cases else CASES
     rows = []
     with tempfile.TemporaryDirectory(prefix="autotune-replay-") as tmp:
         cwd = Path(tmp)
-        for model, budget in CASES:
+        for model, budget in cases:
             autotune("--model", model, "--vram", budget, "--trials", args.trials, "--sampler-seed", "0",
                      "--output", f"{model}.yaml", cwd=cwd)
             profile = yaml.safe_load((cwd / f"{model}.yaml").read_text())
@@ -54,15 +66,39 @@ def main() -> None:
             latency_ratio = replayed(verify.stdout, "latency (median)")
             peak_ratio = replayed(verify.stdout, "peak memory")
             peak = profile["best"]["peak_memory_bytes"] * peak_ratio
-            rows.append((model, budget, profile["best"]["latency_s"], latency_ratio,
+            base = baseline()
+            changed = ", ".join(f"{k}={v}" for k, v in profile["best"]["config"].items()
+                                if base.get(k) != v) or "baseline (float32, nothing enabled)"
+            rows.append((model, budget, changed, profile["best"]["latency_s"], latency_ratio,
                          profile["best"]["peak_memory_bytes"], peak, profile["budget"]["memory_bytes"]))
-    print("| model | budget | recorded latency | replayed / recorded latency | recorded peak | "
-          "replayed peak | within budget |")
-    print("|---|---|---|---|---|---|---|")
-    for model, budget, latency, ratio, peak, replay_peak, budget_bytes in rows:
-        print(f"| {model} | {budget} | {latency:.3f} s | {ratio:.3f} | {peak / 2**20:.0f} MiB | "
-              f"{replay_peak / 2**20:.0f} MiB | {'yes' if replay_peak <= budget_bytes else 'NO'} |")
+    lines = [
+        "# Replay fidelity",
+        "",
+        f"`python benchmarks/replay_fidelity.py --trials {args.trials}`, run {time.strftime('%Y-%m-%d %H:%M')} on "
+        f"{platform.processor() or platform.machine()} ({_cpu_name()}), one run: each model tuned with "
+        "`autotune --model M --vram B --trials N --sampler-seed 0`, then its profile replayed by "
+        "`autotune verify` in a fresh interpreter (as a serving process loads it).",
+        "",
+        "| model | budget | best config | recorded latency | replayed / recorded latency | recorded peak | "
+        "replayed peak | replayed peak within budget |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, budget, config, latency, ratio, peak, replay_peak, budget_bytes in rows:
+        lines.append(f"| {model} | {budget} | {config} | {latency:.3f} s | {ratio:.3f} | {peak / 2**20:.0f} MiB | "
+                     f"{replay_peak / 2**20:.0f} MiB | {'yes' if replay_peak <= budget_bytes else 'NO'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.write_text(text)
 
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 if __name__ == "__main__":
     main()
