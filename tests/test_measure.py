@@ -1,5 +1,8 @@
-"""The timing loop: warm up until steady, then timed calls until the median is stable."""
+"""The timing loop: warm up until steady, then timed calls until the median is stable; the
+host peak a process reports is its own."""
 
+import subprocess
+import sys
 import time
 
 from autotune.measure import summarize, timed_calls, warm_up
@@ -50,3 +53,21 @@ def test_summary_reports_median_p90_and_spread():
     assert s["latency_s"] == 3.0 and s["calls"] == 5
     assert 4.0 < s["p90_s"] <= 10.0
     assert s["spread"] == 3.0
+
+
+PARENT_THEN_CHILD = """
+import subprocess, sys
+big = bytearray(2**30)
+for i in range(0, len(big), 4096):
+    big[i] = 1  # the parent's peak: 1 GiB resident
+del big
+child = "from autotune.measure import host_peak_rss_bytes; print(host_peak_rss_bytes())"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout)
+"""
+
+
+def test_a_child_reports_its_own_peak_not_its_parents():
+    # getrusage's ru_maxrss would say 1 GiB here: after exec it keeps the peak of the image it
+    # replaced, which Python's vfork start makes the parent's.
+    out = subprocess.run([sys.executable, "-c", PARENT_THEN_CHILD], capture_output=True, text=True, check=True)
+    assert 0 < int(out.stdout.strip()) < 256 * 2**20
