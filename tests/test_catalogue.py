@@ -248,6 +248,14 @@ def test_caches_are_dropped_where_the_model_has_no_enable_cache():
 
 
 # ---- memory: offload, placement ---------------------------------------------------------------------
+def test_vae_slicing_is_left_out_at_batch_size_one():
+    # the same pipeline as without it at batch size 1: a trial on it would measure noise
+    assert "at batch size 1 it changes nothing" in reason("vae_slicing", True, Target("cpu", "sdxl", batch_size=1))
+    assert reason("vae_slicing", True, Target("cpu", "sdxl", batch_size=2)) is None
+    assert reason("vae_slicing", True, cpu("sdxl")) is None  # no workload known (a listing): kept
+    assert reason("vae_slicing", False, Target("cpu", "sdxl", batch_size=1)) is None
+
+
 def test_group_offload_is_cuda_only_and_ranked_where_known():
     offload = CATALOGUE["offload"]
     for value in ("group-block-1", "group-block-1-stream", "group-leaf", "group-leaf-stream"):

@@ -16,12 +16,15 @@ class Target:
     capability: the CUDA compute capability as (major, minor), None on a CPU.
     steps: the workload's denoising steps, for knobs that must know them (MagCache); None where
         no workload is known (listing the space).
+    batch_size: the workload's images per call, for knobs that act only on batches (VAE
+        slicing); None where no workload is known.
     """
 
     device: str
     family: str
     capability: tuple[int, int] | None = None
     steps: int | None = None
+    batch_size: int | None = None
 
     @property
     def is_cuda(self) -> bool:
