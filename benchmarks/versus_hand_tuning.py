@@ -61,9 +61,14 @@ GiB = 2**30
 
 # Defaults per device. CPU: chosen from measurements on a 2-core AMD EPYC (no AVX512): sd15 random
 # at this size costs a few seconds per call in float32, compile's first call a few minutes.
-CPU_DEFAULTS = dict(model="sd15", height=256, width=256, steps=4, budgets="auto", trials=12, patience=6)
+# No patience on a CPU: the shipped seeds are all bfloat16 (right on GPUs), and on a CPU without
+# bf16 instructions they all lose to float32, so patience would stop the search right after them.
+# Trial timeout: a CPU compile in max-autotune mode can run for many minutes; one that does is a
+# result (timeout), not a stop.
+CPU_DEFAULTS = dict(model="sd15", height=256, width=256, steps=4, budgets="auto", trials=12, patience=None,
+                    trial_timeout=900.0)
 GPU_DEFAULTS = dict(model="sdxl", height=1024, width=1024, steps=30, budgets="6GB,8GB,12GB,24GB,card",
-                    trials=16, patience=8)
+                    trials=16, patience=8, trial_timeout=1200.0)
 QUICK = dict(model="tiny-sd15", budgets="auto2", trials=4, patience=None)
 
 
@@ -286,7 +291,7 @@ class Measurements:
             shutil.copyfile(result["output"], kept)
             if Path(result["output"]).with_suffix(".png").exists():
                 shutil.copyfile(Path(result["output"]).with_suffix(".png"), kept.with_suffix(".png"))
-            stored["kept_output"] = str(kept)
+            stored["kept_output"] = result["kept_output"] = str(kept)
         stored.pop("traceback", None)
         if key in self.results and not self.reuse:
             key = f"{key}#{time.time()}"  # --no-reuse: keep every measurement
@@ -362,12 +367,12 @@ def main(argv: list[str] | None = None) -> int:
                    "has); 'auto' (CPU default): from the contestants' measured peaks")
     p.add_argument("--trials", type=int, help="autotune's trials per budget (CPU 12, GPU 16, quick 4)")
     p.add_argument("--patience", type=int, help="autotune stops when the best has not improved by 1%% "
-                   "in this many trials (CPU 6, GPU 8; 0: off)")
+                   "in this many trials (CPU off, GPU 8; 0: off)")
     p.add_argument("--space", type=Path, help="autotune's search space (default: the family's, "
                    "autotune/search_spaces/FAMILY.yaml, compile included; --quick: tiny-sd15.yaml)")
     p.add_argument("--sampler-seed", type=int, default=0)
     p.add_argument("--threads", type=int)
-    p.add_argument("--trial-timeout", type=float, default=1200.0)
+    p.add_argument("--trial-timeout", type=float, help="seconds before a measurement is killed (CPU 900, GPU 1200)")
     p.add_argument("--no-reuse", action="store_true", help="measure every study trial afresh")
     p.add_argument("--quick", action="store_true", help="tiny-sd15, 2 budgets, 4 trials, no compile")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -408,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = dataclasses.replace(workload, batch_size=args.batch_size)
     trials = args.trials or defaults["trials"]
     patience = defaults["patience"] if args.patience is None else (args.patience or None)
+    trial_timeout = args.trial_timeout or defaults["trial_timeout"]
     budgets_text = args.budgets or defaults["budgets"]
-    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device))
+    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device),
+                    steps=workload.steps, batch_size=workload.batch_size)
     machine = fingerprint.machine(device)
     threads = args.threads or torch.get_num_threads()
     launcher = runner.default_launcher(device)
@@ -423,14 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or Path(f"/tmp/versus-hand-tuning-{stamp}")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     cache = workdir / "inductor-cache"  # one inductor cache for every trial of the run
-    pool = Measurements(workdir, args.trial_timeout, launcher, reuse=not args.no_reuse)
+    pool = Measurements(workdir, trial_timeout, launcher, reuse=not args.no_reuse)
     run_started = time.monotonic()
 
     def request_for(budget: int, name: str) -> TuneRequest:
         return TuneRequest(
             spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
             storage=f"sqlite:///{workdir / 'studies.db'}", study_name=name, trials=trials,
-            workdir=workdir / name, patience=patience, trial_timeout_s=args.trial_timeout, margin=MARGIN,
+            workdir=workdir / name, patience=patience, trial_timeout_s=trial_timeout, margin=MARGIN,
             repeats=3, max_calls=10, spread_limit=0.05, warmup=1, threads=threads,  # autotune's defaults
             compile_cache_dir=cache, min_psnr_db="auto", seed=args.sampler_seed, launcher=launcher,
             hardware=machine["name"], machine=machine,
@@ -524,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             if kept and Path(kept).exists():
                 row["quality"] = quality.compare(__import__("numpy").load(kept), __import__("numpy").load(reference))
 
-    summary = compare(rows, tuned, space)
+    summary = compare(rows, tuned, space, guard_db)
     wall = time.monotonic() - run_started
     doc = {
         "what": "autotune against the guides' hand-tuned stacks and the VRAM-tier presets (issue #8)",
@@ -537,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "space": {"source": str(space_path), "dimensions": {d.name: list(d.choices) for d in space.dimensions},
                   "dropped": [str(d) for d in space.dropped]},
         "autotune_settings": {"trials": trials, "patience": patience, "sampler_seed": args.sampler_seed,
+                              "trial_timeout_s": trial_timeout,
                               "repeats": 3, "max_calls": 10, "spread_limit": 0.05, "warmup": 1,
                               "min_psnr_db": "auto", "compile_cache_dir": "one for the whole run",
                               "reuse_measurements": not args.no_reuse},
@@ -560,6 +568,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _below(entry) -> str:
+    if not entry:
+        return "-"
+    psnr = "?" if entry["psnr_db"] is None else f"{entry['psnr_db']:.1f}"
+    return f"{entry['name']} {entry['latency_s']:.3f} s (PSNR {psnr} dB)"
+
+
 def _ratio(ratio) -> str:
     return "-" if ratio is None else f"**{ratio:.2f}**"
 
@@ -578,22 +593,32 @@ def _slim(result: dict) -> dict:
 
 
 # ---- comparison -------------------------------------------------------------------------------------
-def compare(rows: list[dict], tuned: list[dict], space) -> list[dict]:
-    """Per budget: who fits, the fastest non-autotune contestant that fits, autotune's ratio to
-    it, and where autotune loses, who beat it and why."""
-    from autotune.knobs import conflict
-    from autotune.space import config_key
+def passes_guard(row: dict, guard_db: float | None) -> bool:
+    """Whether a contestant's output passes the quality guard autotune's trials were held to."""
+    psnr = (row.get("quality") or {}).get("psnr_db")
+    return guard_db is None or (psnr is not None and psnr >= guard_db)
 
+
+def compare(rows: list[dict], tuned: list[dict], space, guard_db: float | None) -> list[dict]:
+    """Per budget: who fits, the fastest non-autotune contestant that fits and passes the quality
+    guard autotune was held to, autotune's ratio to it, and where autotune loses, who beat it and
+    why. A faster contestant that fits but fails the guard is named beside it."""
     out = []
     for t in tuned:
         budget = t["budget_bytes"]
         fitting = [r for r in rows if r["result"]["status"] == "ok" and fits(r["result"]["peak_memory_bytes"], budget)]
-        best_hand = min(fitting, key=lambda r: r["result"]["latency_s"], default=None)
+        fastest = lambda rs: min(rs, key=lambda r: r["result"]["latency_s"], default=None)  # noqa: E731
+        best_hand = fastest([r for r in fitting if passes_guard(r, guard_db)])
+        best_any = fastest(fitting)
         point = t["point"]
         s = {"budget_bytes": budget, "fits": [r["name"] for r in fitting],
              "best_hand": best_hand["name"] if best_hand else None,
              "best_hand_latency_s": best_hand["result"]["latency_s"] if best_hand else None,
+             "faster_below_guard": None,
              "autotune_latency_s": point["latency_s"] if point else None, "ratio": None, "loss": None}
+        if best_any is not None and best_any is not best_hand:
+            s["faster_below_guard"] = {"name": best_any["name"], "latency_s": best_any["result"]["latency_s"],
+                                       "psnr_db": (best_any.get("quality") or {}).get("psnr_db")}
         if point and best_hand:
             s["ratio"] = point["latency_s"] / best_hand["result"]["latency_s"]
             if s["ratio"] > 1.0:
@@ -695,16 +720,16 @@ def markdown(doc: dict) -> str:
                      f"{_s(res.get('first_call_s'))} | {_size(res.get('peak_memory_bytes'))} | "
                      f"{'-' if q is None else q} | {marks} |")
     lines += ["", "## autotune per budget", "",
-              "| budget | autotune's configuration | latency | peak | trials (stop) | fastest other that fits | "
-              "its latency | ratio autotune / it |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| budget | autotune's configuration | latency | peak | trials (stop) | fastest other that fits "
+              "and passes the quality guard | its latency | ratio autotune / it | faster, but below the guard |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for t, s in zip(doc["autotune"], doc["summary"]):
         p = t["point"]
         lines.append(
             f"| {_size(t['budget_bytes'])} | {describe(p['config']) if p else 'nothing fits'} | "
             f"{_s(p and p['latency_s'])} | {_size(p and p['peak_memory_bytes'])} | {t['trials']} ({t['stop_reason']}) | "
             f"{s['best_hand'] or 'none fits'} | {_s(s['best_hand_latency_s'])} | "
-            f"{_ratio(s['ratio'])} |")
+            f"{_ratio(s['ratio'])} | {_below(s['faster_below_guard'])} |")
     losses = [s for s in doc["summary"] if s.get("loss")]
     lines += ["", "## Where autotune lost", ""]
     lines += [f"- {_size(s['budget_bytes'])}: {s['loss']}" for s in losses] or ["- nowhere in this run."]
@@ -717,7 +742,7 @@ def markdown(doc: dict) -> str:
 
 
 def markdown_summary(doc: dict) -> str:
-    lines = ["", "| budget | autotune | fastest other that fits | ratio |", "|---|---|---|---|"]
+    lines = ["", "| budget | autotune | fastest other that fits and passes the quality guard | ratio |", "|---|---|---|---|"]
     for t, s in zip(doc["autotune"], doc["summary"]):
         ratio = "-" if s["ratio"] is None else f"{s['ratio']:.2f}"
         lines.append(f"| {_size(t['budget_bytes'])} | {_s(s['autotune_latency_s'])} | "
