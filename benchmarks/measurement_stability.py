@@ -42,15 +42,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="separate trials per configuration")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                        help="which configurations to measure (default: all)")
     args = parser.parse_args()
 
     spec = resolve_model(args.model)
-    medians: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    calls: dict[str, list[int]] = {name: [] for name in CONFIGS}
+    configs = {name: CONFIGS[name] for name in args.configs}
+    medians: dict[str, list[float]] = {name: [] for name in configs}
+    calls: dict[str, list[int]] = {name: [] for name in configs}
     probes: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.trials):
-            for name, changes in CONFIGS.items():  # alternate, so drifts of the machine hit both
+            for name, changes in configs.items():  # alternate, so drifts of the machine hit both
                 probes.append(machine_probe())
                 request = {
                     "model": spec.to_dict(), "config": {**baseline(), **changes},
