@@ -72,10 +72,9 @@ def main() -> None:
             rows.append((model, budget, changed, profile["best"]["latency_s"], latency_ratio,
                          profile["best"]["peak_memory_bytes"], peak, profile["budget"]["memory_bytes"]))
     lines = [
-        "# Replay fidelity",
+        f"## {time.strftime('%Y-%m-%d %H:%M')}, {_cpu_name()}",
         "",
-        f"`python benchmarks/replay_fidelity.py --trials {args.trials}`, run {time.strftime('%Y-%m-%d %H:%M')} on "
-        f"{platform.processor() or platform.machine()} ({_cpu_name()}), one run: each model tuned with "
+        f"`python benchmarks/replay_fidelity.py --trials {args.trials}`: each model tuned with "
         "`autotune --model M --vram B --trials N --sampler-seed 0`, then its profile replayed by "
         "`autotune verify` in a fresh interpreter (as a serving process loads it).",
         "",
@@ -86,9 +85,11 @@ def main() -> None:
     for model, budget, config, latency, ratio, peak, replay_peak, budget_bytes in rows:
         lines.append(f"| {model} | {budget} | {config} | {latency:.3f} s | {ratio:.3f} | {peak / 2**20:.0f} MiB | "
                      f"{replay_peak / 2**20:.0f} MiB | {'yes' if replay_peak <= budget_bytes else 'NO'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.write_text(text)
+    run = "\n".join(lines) + "\n"
+    print(run)
+    # Newest run first; earlier runs stay (a run on a drifting machine is one sample).
+    earlier = RESULTS.read_text().split("\n", 1)[1].lstrip("\n") if RESULTS.exists() else ""
+    RESULTS.write_text(f"# Replay fidelity\n\n{run}\n{earlier}".rstrip("\n") + "\n")
 
 
 def _cpu_name() -> str:
