@@ -101,5 +101,6 @@ def _cpu_name() -> str:
         pass
     return "unknown CPU"
 
+
 if __name__ == "__main__":
     main()
