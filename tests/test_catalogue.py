@@ -101,6 +101,49 @@ def test_sdxl_in_float16_keeps_the_vae_upcast_and_never_nans():
 
 
 # ---- weights: quantization and fp8 storage --------------------------------------------------------
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache for this test (the knob reads the location at each call)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def cache_fp16_fix_vae(hub):
+    """A tiny SDXL-shaped VAE that stays in float16 (force_upcast False), laid out in `hub` as
+    huggingface_hub lays out a download of the fp16-fix VAE (refs/main -> snapshots/REV)."""
+    from diffusers import AutoencoderKL
+
+    from autotune.knobs.precision import SDXL_VAE_FP16_FIX
+
+    repo = hub / f"models--{SDXL_VAE_FP16_FIX.replace('/', '--')}"
+    revision = "0" * 40
+    vae = AutoencoderKL.from_config(build_tiny("sdxl").vae.config, force_upcast=False)
+    vae.save_pretrained(repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_fp16_fix_vae_is_sdxl_only_and_never_downloaded(hub_cache):
+    assert "SDXL's VAE" in reason("vae_fp16_fix", True, cpu("sd15"))
+    assert "not in the local Hugging Face cache" in reason("vae_fp16_fix", True, cpu("sdxl"))
+    assert "only matters in float16" in conflict({"vae_fp16_fix": True, "dtype": "bfloat16"})
+    cache_fp16_fix_vae(hub_cache)
+    assert reason("vae_fp16_fix", True, cpu("sdxl")) is None
+
+
+def test_fp16_fix_vae_replaces_sdxls_vae_and_decodes_in_float16(hub_cache):
+    cache_fp16_fix_vae(hub_cache)
+    original = build_tiny("sdxl", {"dtype": "float16"})
+    assert original.vae.config.force_upcast  # SDXL's own VAE: decoded in float32
+    pipe = build_tiny("sdxl", {"dtype": "float16", "vae_fp16_fix": True})
+    assert not pipe.vae.config.force_upcast and pipe.vae.dtype == torch.float16
+    assert np.isfinite(small_call(pipe)).all()
+    space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml").restrict(cpu("sdxl"))
+    assert {d.name: d.when for d in space.dimensions}["vae_fp16_fix"] == {"dtype": "float16"}
+
+
 def test_layerwise_casting_stores_denoiser_weights_in_fp8_and_runs():
     pipe = build_tiny("sd15", {"layerwise_casting": "fp8-e4m3"})
     dtypes = {p.dtype for p in pipe.unet.parameters()}

@@ -3,8 +3,8 @@
 A configuration is a flat dict {knob name: choice}. `apply_config` is the only code that turns one
 into pipeline state; trial workers and production (`Profile.apply`) both call it.
 
-Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype and the
-process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
+Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
+and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
 fp8 weight cannot be concatenated); then quantization or fp8 storage; layout and the attention
 implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
 change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
@@ -21,11 +21,12 @@ from .cache import CACHE
 from .compile import COMPILE, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES, INDUCTOR_FLAGS
 from .layout import CHANNELS_LAST, FUSE_QKV
 from .memory import OFFLOAD, PLACEMENT, VAE_SLICING, VAE_TILING, places_on_device
-from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32
+from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
 from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
 
 APPLY_ORDER: tuple[Knob, ...] = (
     DTYPE,
+    VAE_FP16_FIX,  # a component swap: before anything changes the VAE's modules
     TF32,
     CUDNN_BENCHMARK,
     FUSE_QKV,
@@ -62,6 +63,9 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "attention slicing replaces the fused attention processors, undoing fuse_qkv"),
     ({"fuse_qkv": True, "attention": "xformers", "family": ["sdxl", "sd15", "sd3"]},
      "xFormers installs its own attention processors, undoing fuse_qkv (on Flux it is a dispatcher backend and keeps the fusion)"),
+    # what only matters in one precision
+    ({"vae_fp16_fix": True, "dtype": ["float32", "bfloat16"]},
+     "the fp16-fix VAE only matters in float16 (SDXL's own VAE is upcast only in float16)"),
     # kernels that exist for half precision only
     ({"dtype": "float32", "attention": ["sdpa-flash", "sdpa-cudnn", "flash-attn", "flash-attn-3", "sage"]},
      "this attention kernel takes float16/bfloat16 only: in float32 it finds no kernel and fails"),

@@ -29,6 +29,56 @@ DTYPE = Knob(
 )
 
 
+# The SDXL VAE fine-tuned to stay finite in float16 (the original overflows: NaN, black images),
+# so it decodes in float16 instead of being upcast to float32 for every decode.
+SDXL_VAE_FP16_FIX = "madebyollin/sdxl-vae-fp16-fix"
+
+
+def _hub_cache() -> str:
+    # Read at each call, not at import: huggingface_hub fixes its constants when imported, and
+    # HF_HUB_CACHE may point elsewhere in the process that asks (tests do).
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _fp16_fix_unavailable(value, target):
+    if not value:
+        return None
+    if target.family != "sdxl":
+        return "the fp16-fix VAE is a replacement for SDXL's VAE"
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(SDXL_VAE_FP16_FIX, "config.json", cache_dir=_hub_cache()), str):
+        return (f"{SDXL_VAE_FP16_FIX} is not in the local Hugging Face cache (nothing is downloaded; "
+                f"`huggingface-cli download {SDXL_VAE_FP16_FIX}` makes it a choice)")
+    return None
+
+
+def _apply_vae_fp16_fix(pipe, value, target, config):
+    if not value:
+        return
+    from diffusers import AutoencoderKL
+
+    from .memory import places_on_device
+
+    vae = AutoencoderKL.from_pretrained(SDXL_VAE_FP16_FIX, torch_dtype=pipe.dtype, cache_dir=_hub_cache(),
+                                        local_files_only=True)
+    # Where the rest of the pipeline is: on the device, or on the host for offload hooks to place.
+    pipe.vae = vae.to(target.device if places_on_device(config) else "cpu")
+
+
+VAE_FP16_FIX = Knob(
+    name="vae_fp16_fix",
+    choices=(False, True),
+    default=False,
+    help=f"replace SDXL's VAE by {SDXL_VAE_FP16_FIX} from the local cache: decodes in float16 "
+    "instead of being upcast to float32",
+    apply=_apply_vae_fp16_fix,
+    unavailable=_fp16_fix_unavailable,
+)
+
+
 # The two flags below are process-global. A trial is its own process, and in production they are
 # set when the profile is applied; the default (False) leaves whatever the process has.
 def _apply_tf32(pipe, value, target, config):
