@@ -262,8 +262,7 @@ def _tune(args, argv: list[str]) -> int:
     workload = spec.default_workload
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
-    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device),
-                    steps=workload.steps, batch_size=workload.batch_size)
+    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
 
     if args.space is not None and not args.space.exists():
         raise SpaceError(f"search space {args.space}: no such file")

@@ -175,7 +175,7 @@ class Profile:
                 "pass device='cpu' to load it anyway"
             )
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
-                      steps=self.workload.steps, batch_size=self.workload.batch_size)  # MagCache needs the steps
+                      workload=self.workload)
 
     def apply(self, pipe, device: str | None = None, budget_bytes: int | None = None):
         """Put a loaded pipeline into the measured state (the same code the trials ran)."""

@@ -68,8 +68,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     workload = Workload.from_dict(request["workload"])
     config = request["config"]
     # steps: MagCache resamples its per-step curve to the workload and resets after the last step
-    target = Target(device=device, family=spec.family, capability=request.get("capability"), steps=workload.steps,
-                    batch_size=workload.batch_size)
+    target = Target(device=device, family=spec.family, capability=request.get("capability"), workload=workload)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
     tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)

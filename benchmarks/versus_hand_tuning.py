@@ -419,8 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     patience = defaults["patience"] if args.patience is None else (args.patience or None)
     trial_timeout = args.trial_timeout or defaults["trial_timeout"]
     budgets_text = args.budgets or defaults["budgets"]
-    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device),
-                    steps=workload.steps, batch_size=workload.batch_size)
+    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
     machine = fingerprint.machine(device)
     threads = args.threads or torch.get_num_threads()
     launcher = runner.default_launcher(device)

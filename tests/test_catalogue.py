@@ -17,18 +17,19 @@ import torch
 from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
 from autotune.models import resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
+from autotune.workload import Workload
 from helpers import build_tiny
 
 FAMILIES = ("sdxl", "sd15", "sd3", "flux")
 H100 = (9, 0)
 
 
-def cpu(family, steps=1):
-    return Target(device="cpu", family=family, steps=steps)
+def cpu(family, steps=1, size=32, batch_size=1):
+    return Target(device="cpu", family=family, workload=Workload(size, size, steps, batch_size=batch_size))
 
 
 def cuda(family, capability=H100):
-    return Target(device="cuda", family=family, capability=capability, steps=4)
+    return Target(device="cuda", family=family, capability=capability, workload=Workload(1024, 1024, 4))
 
 
 @pytest.fixture(autouse=True)
@@ -293,10 +294,26 @@ def test_caches_are_dropped_where_the_model_has_no_enable_cache():
 # ---- memory: offload, placement ---------------------------------------------------------------------
 def test_vae_slicing_is_left_out_at_batch_size_one():
     # the same pipeline as without it at batch size 1: a trial on it would measure noise
-    assert "at batch size 1 it changes nothing" in reason("vae_slicing", True, Target("cpu", "sdxl", batch_size=1))
-    assert reason("vae_slicing", True, Target("cpu", "sdxl", batch_size=2)) is None
-    assert reason("vae_slicing", True, cpu("sdxl")) is None  # no workload known (a listing): kept
-    assert reason("vae_slicing", False, Target("cpu", "sdxl", batch_size=1)) is None
+    assert "at batch size 1 it changes nothing" in reason("vae_slicing", True, cpu("sdxl", batch_size=1))
+    assert reason("vae_slicing", True, cpu("sdxl", batch_size=2)) is None
+    assert reason("vae_slicing", True, Target("cpu", "sdxl")) is None  # no workload known (a listing): kept
+    assert reason("vae_slicing", False, cpu("sdxl", batch_size=1)) is None
+
+
+def test_vae_tiling_acts_at_sizes_the_vae_would_not_tile_itself():
+    # The tiny VAE's sample size is 128 px: at 128x128 diffusers would decode the whole image, so
+    # the knob halves the tile (SDXL at its own 1024x1024 is the same case, with 512 px tiles).
+    spec = resolve_model("tiny-sd15")
+    plain = build_configured(spec, {}, cpu("sd15", size=128))
+    tiled = build_configured(spec, {"vae_tiling": True}, cpu("sd15", size=128))
+    assert tiled.vae.use_tiling and (tiled.vae.tile_sample_min_size, tiled.vae.tile_latent_min_size) == (64, 8)
+    for pipe in (plain, tiled):
+        pipe.set_progress_bar_config(disable=True)
+    whole, in_tiles = small_call(plain, size=128), small_call(tiled, size=128)
+    assert np.isfinite(in_tiles).all() and not np.allclose(whole, in_tiles, atol=1e-3)  # it acted: seams
+    # above the sample size diffusers' own tiles are kept
+    larger = build_configured(spec, {"vae_tiling": True}, cpu("sd15", size=256))
+    assert larger.vae.tile_sample_min_size == 128
 
 
 def test_group_offload_is_cuda_only_and_ranked_where_known():

@@ -6,6 +6,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..workload import Workload
+
 
 @dataclass(frozen=True)
 class Target:
@@ -14,17 +16,15 @@ class Target:
     device: a torch device string ("cpu", "cuda", "cuda:1").
     family: the model family ("sdxl", "sd15", "sd3", "flux").
     capability: the CUDA compute capability as (major, minor), None on a CPU.
-    steps: the workload's denoising steps, for knobs that must know them (MagCache); None where
-        no workload is known (listing the space).
-    batch_size: the workload's images per call, for knobs that act only on batches (VAE
-        slicing); None where no workload is known.
+    workload: the calls the pipeline will make (size, steps, batch), for knobs whose effect
+        depends on them (MagCache's step count, VAE slicing's batch, VAE tiling's tile size);
+        None where no workload is known (listing the space).
     """
 
     device: str
     family: str
     capability: tuple[int, int] | None = None
-    steps: int | None = None
-    batch_size: int | None = None
+    workload: Workload | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -33,6 +33,14 @@ class Target:
     @property
     def has_unet(self) -> bool:
         return self.family in ("sdxl", "sd15")
+
+    @property
+    def steps(self) -> int | None:
+        return self.workload.steps if self.workload else None
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.workload.batch_size if self.workload else None
 
 
 # A function that says why `value` cannot run on `target`, or None when it can.

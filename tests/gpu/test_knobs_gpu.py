@@ -14,11 +14,13 @@ import torch
 from autotune.knobs import APPLY_ORDER, CATALOGUE, Target, apply_config, build_configured
 from autotune.models import resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
+from autotune.workload import Workload
 from test_catalogue import COMPILE_KNOBS, allowed_pairs, hooks_of, key, split_compile
 
 
 def target(family, steps=2):
-    return Target(device="cuda", family=family, capability=torch.cuda.get_device_capability(), steps=steps)
+    return Target(device="cuda", family=family, capability=torch.cuda.get_device_capability(),
+                  workload=Workload(64, 64, steps))
 
 
 def needs(knob, value, family="sdxl"):
