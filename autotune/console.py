@@ -136,6 +136,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
                   + (f" (bfloat16 alone: {calibrated:.1f} dB)" if calibrated is not None else ""))
     else:
         out.print("quality guard: off")
+    if getattr(outcome, "seed_note", None):
+        out.print(f"seeds: {outcome.seed_note}")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "

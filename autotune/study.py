@@ -7,7 +7,7 @@ produced NaN completes as infeasible instead of failing, so the sampler learns f
 the rules forbid is told as pruned (infeasible) without being measured; a config measured already
 is not measured again, nor one that only adds memory to a config that ran out of it
 (`memory_dominated`). A fresh study measures the baseline first, then an earlier study's front
-(--warm-start), then the space's seeds.
+(--warm-start), then the space's seeds (in float32 where bfloat16 proved slow: `machine_seeds`).
 
 Several workers (processes, GPUs, machines) may share one study through its storage: each asks for
 the next config, skips one another worker is measuring, and waits for the others' trials before it
@@ -143,6 +143,7 @@ class StudyOutcome:
     front: list[TrialRecord] = field(default_factory=list)  # feasible Pareto front, by memory
     counts: dict = field(default_factory=dict)
     quality_guard: dict | None = None  # reference, threshold and how it was calibrated
+    seed_note: str | None = None  # how the seeds were adapted to this machine, if they were
     measured_here: int = 0  # trials this worker measured (the others measured the rest)
 
     @property
@@ -396,7 +397,8 @@ def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True
             f"the reference output (float32, nothing enabled) could not be generated: "
             f"{result['status']}: {result.get('error', '')}; --min-psnr 0 tunes without the quality guard"
         )
-    guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"]}
+    guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
+             "float32_call_s": result.get("latency_s")}
     if not threshold:
         return guard
     if req.min_psnr_db == "auto":
@@ -404,6 +406,8 @@ def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True
         probe = measure(_one_call(req, half, req.workdir / "precision" / "output.npy"),
                         req.workdir / "precision", lambda: None)
         measured = quality.assess(probe, req.reference_path)
+        if probe["status"] == worker.OK:
+            guard["bfloat16_call_s"] = probe.get("latency_s")
         if measured:
             guard["bfloat16_psnr_db"] = measured["psnr_db"]
             threshold = measured["psnr_db"] - quality.AUTO_SLACK_DB
@@ -476,19 +480,44 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
         warm = space.fit(req.warm_start)
         for config in warm:
             study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
-        keys = {config_key(c) for c in warm}
-        for config in space.seed_configs():
-            if config_key(config) not in keys:
-                study.enqueue_trial(space.params(config), user_attrs={"seed": True})
 
     guard = study.user_attrs.get("quality_guard")
-    if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
-        # Each machine keeps its own reference output (the study may be shared); the threshold
-        # is the study's, set by the first worker to calibrate it.
-        calibrated = calibrate_quality(req, measure, threshold=guard is None)
-        if guard is None:
-            study.set_user_attr("quality_guard", calibrated)
+    try:
+        if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
+            # Each machine keeps its own reference output (the study may be shared); the threshold
+            # is the study's, set by the first worker to calibrate it.
+            calibrated = calibrate_quality(req, measure, threshold=guard is None)
+            if guard is None:
+                guard = calibrated
+                study.set_user_attr("quality_guard", calibrated)
+    finally:
+        if created:  # after the calibration, whose two calls say which precision is fast here
+            seeds, note = machine_seeds(space, guard)
+            keys = {config_key(c) for c in warm}
+            for config in seeds:
+                if config_key(config) not in keys:
+                    study.enqueue_trial(space.params(config), user_attrs={"seed": True})
+            if note:
+                study.set_user_attr("seed_note", note)
     return study
+
+
+# bfloat16 this much slower than float32 in the quality guard's calibration calls: not a precision
+# to seed with here (CPUs without bf16 instructions, GPUs before Ampere; 2.5x on a 2-core Xeon VM).
+SLOW_BFLOAT16 = 1.2
+
+
+def machine_seeds(space: SearchSpace, guard: dict | None) -> tuple[list[Config], str | None]:
+    """The space's seeds for this machine, and a note when they were changed. The shipped seeds
+    are in bfloat16, the fast precision on current GPUs; where the calibration measured bfloat16
+    clearly slower than float32, the seeds keep their other settings in float32 instead."""
+    seeds = space.seed_configs()
+    fp32, bf16 = (guard or {}).get("float32_call_s"), (guard or {}).get("bfloat16_call_s")
+    if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
+        return seeds, None
+    note = (f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the calibration calls: "
+            "the seeds keep their other settings in float32")
+    return space.fit([{**s, "dtype": "float32"} if s.get("dtype") == "bfloat16" else s for s in seeds]), note
 
 
 def _in_flight(study: optuna.Study) -> dict[str, int]:
@@ -632,5 +661,6 @@ def tune(
 
     outcome = summarize(study, reason)
     outcome.quality_guard = guard if min_psnr_db else None
+    outcome.seed_note = study.user_attrs.get("seed_note")
     outcome.measured_here = measured_here
     return outcome

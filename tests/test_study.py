@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import numpy as np
+
 from autotune import study
 from autotune.knobs import Target, baseline
 from autotune.models import resolve_model
@@ -15,7 +17,7 @@ def request(space, tmp_path: Path, **kw) -> study.TuneRequest:
     return study.TuneRequest(
         spec=spec, workload=spec.default_workload, budget_bytes=1000 * MiB, space=space,
         target=Target(device="cpu", family=spec.family), storage="memory", study_name="s",
-        workdir=tmp_path, min_psnr_db=None, seed=0, **kw,
+        workdir=tmp_path, **{"min_psnr_db": None, "seed": 0, **kw},
     )
 
 
@@ -142,3 +144,41 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
     states = [t.state for t in shared.trials]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
     assert shared.trials[1].params == shared.trials[0].params
+
+
+def measure_with_outputs(latency_of):
+    """A made-up measurement that also writes an output image, as a worker does, so that the
+    quality guard's calibration (a float32 reference call and a bfloat16 call) runs for real."""
+    measured = []
+    image = np.linspace(0, 1, 8 * 8 * 3, dtype=np.float32).reshape(1, 8, 8, 3)
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        measured.append(req["config"])
+        out = Path(req["output_path"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        np.save(out, image)
+        return {"status": "ok", "latency_s": latency_of(req["config"]), "peak_memory_bytes": 500 * MiB,
+                "output": str(out)}
+
+    return measure, measured
+
+
+BF16_SEEDS = [{"dtype": "bfloat16", "fuse_qkv": True}, {"dtype": "bfloat16", "channels_last": True}]
+
+
+def test_seeds_keep_their_settings_in_float32_where_bfloat16_ran_slow(tmp_path):
+    measure, measured = measure_with_outputs(lambda c: 2.5 if c["dtype"] == "bfloat16" else 1.0)
+    outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto"),
+                         measure=measure)
+    calibration, trials = measured[:2], measured[2:]
+    assert [c["dtype"] for c in calibration] == ["float32", "bfloat16"]
+    assert trials == [baseline(), {**baseline(), "fuse_qkv": True}, {**baseline(), "channels_last": True}]
+    assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
+
+
+def test_seeds_stay_in_bfloat16_where_it_runs_fast(tmp_path):
+    measure, measured = measure_with_outputs(lambda c: 0.5 if c["dtype"] == "bfloat16" else 1.0)
+    outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto"),
+                         measure=measure)
+    assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
+    assert outcome.seed_note is None
