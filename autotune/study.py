@@ -7,7 +7,7 @@ produced NaN completes as infeasible instead of failing, so the sampler learns f
 the rules forbid is told as pruned (infeasible) without being measured; a config measured already
 is not measured again, nor one that only adds memory to a config that ran out of it
 (`memory_dominated`). A fresh study measures the baseline first, then an earlier study's front
-(--warm-start), then the space's seeds (in float32 where bfloat16 proved slow: `machine_seeds`).
+(--warm-start), then the space's seeds (in float32 where bfloat16 proved slow and float32 fits: `machine_seeds`).
 
 Several workers (processes, GPUs, machines) may share one study through its storage: each asks for
 the next config, skips one another worker is measuring, and waits for the others' trials before it
@@ -398,7 +398,7 @@ def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True
             f"{result['status']}: {result.get('error', '')}; --min-psnr 0 tunes without the quality guard"
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
-             "float32_call_s": result.get("latency_s")}
+             "float32_call_s": result.get("latency_s"), "float32_peak_bytes": result.get("peak_memory_bytes")}
     if not threshold:
         return guard
     if req.min_psnr_db == "auto":
@@ -492,7 +492,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
                 study.set_user_attr("quality_guard", calibrated)
     finally:
         if created:  # after the calibration, whose two calls say which precision is fast here
-            seeds, note = machine_seeds(space, guard)
+            seeds, note = machine_seeds(space, guard, req.budget_bytes - req.margin_bytes)
             keys = {config_key(c) for c in warm}
             for config in seeds:
                 if config_key(config) not in keys:
@@ -507,16 +507,22 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
 SLOW_BFLOAT16 = 1.2
 
 
-def machine_seeds(space: SearchSpace, guard: dict | None) -> tuple[list[Config], str | None]:
+def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> tuple[list[Config], str | None]:
     """The space's seeds for this machine, and a note when they were changed. The shipped seeds
     are in bfloat16, the fast precision on current GPUs; where the calibration measured bfloat16
-    clearly slower than float32, the seeds keep their other settings in float32 instead."""
+    clearly slower than float32, and float32 fits the budget (`usable_bytes`: the budget less the
+    margin), the seeds keep their other settings in float32 instead. Where float32 does not fit,
+    half precision is what makes a config fit at all: the seeds stay in bfloat16."""
     seeds = space.seed_configs()
-    fp32, bf16 = (guard or {}).get("float32_call_s"), (guard or {}).get("bfloat16_call_s")
+    guard = guard or {}
+    fp32, bf16 = guard.get("float32_call_s"), guard.get("bfloat16_call_s")
     if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
         return seeds, None
-    note = (f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the calibration calls: "
-            "the seeds keep their other settings in float32")
+    slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the calibration calls"
+    fp32_peak = guard.get("float32_peak_bytes")
+    if guard.get("reference_config") != baseline() or (fp32_peak and fp32_peak > usable_bytes):
+        return seeds, f"{slower}, but float32 does not fit the budget: the seeds stay in bfloat16"
+    note = f"{slower}: the seeds keep their other settings in float32"
     return space.fit([{**s, "dtype": "float32"} if s.get("dtype") == "bfloat16" else s for s in seeds]), note
 
 

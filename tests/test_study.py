@@ -15,9 +15,9 @@ MiB = 2**20
 def request(space, tmp_path: Path, **kw) -> study.TuneRequest:
     spec = resolve_model("tiny-sd15")
     return study.TuneRequest(
-        spec=spec, workload=spec.default_workload, budget_bytes=1000 * MiB, space=space,
+        spec=spec, workload=spec.default_workload, space=space,
         target=Target(device="cpu", family=spec.family), storage="memory", study_name="s",
-        workdir=tmp_path, **{"min_psnr_db": None, "seed": 0, **kw},
+        workdir=tmp_path, **{"budget_bytes": 1000 * MiB, "min_psnr_db": None, "seed": 0, **kw},
     )
 
 
@@ -182,3 +182,13 @@ def test_seeds_stay_in_bfloat16_where_it_runs_fast(tmp_path):
                          measure=measure)
     assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
     assert outcome.seed_note is None
+
+
+def test_seeds_stay_in_bfloat16_where_float32_does_not_fit(tmp_path):
+    """bfloat16 slow, but the float32 reference call peaked over the budget: half precision is what
+    fits, so converting the seeds to float32 would only make them infeasible."""
+    measure, measured = measure_with_outputs(lambda c: 2.5 if c["dtype"] == "bfloat16" else 1.0)
+    outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto",
+                                 budget_bytes=400 * MiB), measure=measure)
+    assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
+    assert "float32 does not fit the budget: the seeds stay in bfloat16" in outcome.seed_note
