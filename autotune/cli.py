@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import AutotuneError
 
     _quiet_libraries()
+    _terminate_as_interrupt()
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
@@ -193,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (kill, a container stopping, a job scheduler) ends a run as Ctrl-C does: the running
+    trial's process group killed, the trial queued again, measured trials kept. Left at its
+    default, it killed the parent alone and left the trial's process running, unsupervised."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _quiet_libraries() -> None:

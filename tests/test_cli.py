@@ -230,8 +230,24 @@ def all_trials(tmp_path):
     return optuna.load_study(study_name=summary.study_name, storage=url).trials
 
 
+def processes_left_in(folder, wait_s=10.0):
+    """Processes still running with `folder` as their working directory (the CLI's children)."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for proc in psutil.process_iter(["cwd", "status"]):
+            if proc.info["cwd"] == str(folder) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(proc)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
-def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path, signum):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     # --spread 0.0001: every trial makes --max-calls timed calls, so the second measured trial is
     # surely still running when the signal comes (tiny-sd15 calls at 64x64 take about 0.1 s).
@@ -240,9 +256,10 @@ def test_ctrl_c_keeps_measured_trials_and_the_same_command_resumes(tmp_path):
     proc = start_cli(tmp_path, *args)
     running = wait_for_second_measured_trial(tmp_path)  # the baseline measured, this one running
     assert proc.poll() is None
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
+    assert not processes_left_in(tmp_path)  # the trial's process and the fork server went with it
     assert "run the same command to resume" in out and "Traceback" not in out
     trials = all_trials(tmp_path)
     assert trials[0].state == optuna.trial.TrialState.COMPLETE
