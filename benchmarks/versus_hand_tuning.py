@@ -268,7 +268,7 @@ class Measurements:
         self.reused += 1
         result = copy.deepcopy(self.results[key])
         result["reused"] = True
-        kept = result.pop("kept_output", None)
+        kept = result.get("kept_output")  # kept in the result: contestants' quality reads it
         if kept and request.get("output_path"):
             out = Path(request["output_path"])
             out.parent.mkdir(parents=True, exist_ok=True)
