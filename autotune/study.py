@@ -491,7 +491,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
                 guard = calibrated
                 study.set_user_attr("quality_guard", calibrated)
     finally:
-        if created:  # after the calibration, whose two calls say which precision is fast here
+        # Seeds go in after the calibration, whose two calls say which precision is fast here; in
+        # `finally`, because a study created here and interrupted in its calibration would never get
+        # them: the next run finds the study existing.
+        if created:
             seeds, note = machine_seeds(space, guard, req.budget_bytes - req.margin_bytes)
             keys = {config_key(c) for c in warm}
             for config in seeds:
@@ -520,6 +523,7 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
         return seeds, None
     slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the calibration calls"
     fp32_peak = guard.get("float32_peak_bytes")
+    # a reference made with offload means plain float32 ran out of device memory
     if guard.get("reference_config") != baseline() or (fp32_peak and fp32_peak > usable_bytes):
         return seeds, f"{slower}, but float32 does not fit the budget: the seeds stay in bfloat16"
     note = f"{slower}: the seeds keep their other settings in float32"

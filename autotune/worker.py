@@ -67,7 +67,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     spec = ModelSpec.from_dict(request["model"])
     workload = Workload.from_dict(request["workload"])
     config = request["config"]
-    # steps: MagCache resamples its per-step curve to the workload and resets after the last step
+    # the workload: knobs whose effect depends on it (MagCache's steps, VAE tiling's tile size)
     target = Target(device=device, family=spec.family, capability=request.get("capability"), workload=workload)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
