@@ -56,7 +56,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-MARGIN = "5%"  # autotune's default --margin
+
+
+def _autotune_defaults() -> dict:
+    """The measurement settings `autotune` itself uses unless told otherwise, read from its CLI
+    parser: the benchmark holds autotune (and every contestant) to exactly those."""
+    from autotune.cli import tune_parser
+
+    p = tune_parser()
+    return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
+            "max_calls": p.get_default("max_calls"), "spread_limit": p.get_default("spread"),
+            "warmup": p.get_default("warmup")}
+
+
+AUTOTUNE = _autotune_defaults()
+MARGIN = AUTOTUNE["margin"]
 GiB = 2**30
 
 # Defaults per device. CPU: chosen from measurements on a 2-core AMD EPYC (no AVX512): sd15 random
@@ -318,9 +332,12 @@ def auto_budgets(peaks: dict[str, int], machine_bytes: int, count: int = 3) -> l
     contestant (so the float32 default does not fit where it needs more), midway between it and
     the default's need, and the whole machine (`count` 2: the first and the last). Rounded up to
     16 MiB for small models, 128 MiB for large ones."""
+    from autotune.sizes import parse_margin
+
     smallest = min(peaks.values())
     step = 16 * 2**20 if smallest < 2 * GiB else GiB // 8
-    need = lambda peak: peak / (1 - 0.05)  # noqa: E731  peak + 5% of the budget <= budget
+    share = parse_margin(MARGIN, GiB) / GiB  # the margin as a share of the budget ("5%": 0.05)
+    need = lambda peak: peak / (1 - share)  # noqa: E731  peak + share of the budget <= budget
     low = _round_up(need(smallest) * 1.01, step)
     default_need = need(peaks["default"])
     budgets = [low]
@@ -441,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
             storage=f"sqlite:///{workdir / 'studies.db'}", study_name=name, trials=trials,
             workdir=workdir / name, patience=patience, trial_timeout_s=trial_timeout, margin=MARGIN,
-            repeats=3, max_calls=10, spread_limit=0.05, warmup=1, threads=threads,  # autotune's defaults
+            repeats=AUTOTUNE["repeats"], max_calls=AUTOTUNE["max_calls"], spread_limit=AUTOTUNE["spread_limit"],
+            warmup=AUTOTUNE["warmup"], threads=threads,
             compile_cache_dir=cache, min_psnr_db="auto", seed=args.sampler_seed, launcher=launcher,
             hardware=machine["name"], machine=machine,
         )
@@ -553,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                   "dropped": [str(d) for d in space.dropped]},
         "autotune_settings": {"trials": trials, "patience": patience, "sampler_seed": args.sampler_seed,
                               "trial_timeout_s": trial_timeout,
-                              "repeats": 3, "max_calls": 10, "spread_limit": 0.05, "warmup": 1,
+                              **{k: v for k, v in AUTOTUNE.items() if k != "margin"},
                               "min_psnr_db": "auto", "compile_cache_dir": "one for the whole run",
                               "reuse_measurements": not args.no_reuse},
         "measurements": {"fresh": pool.fresh, "reused": pool.reused, "measuring_s": pool.measuring_s},
@@ -820,16 +838,27 @@ def markdown(doc: dict) -> str:
 
 
 def markdown_summary(doc: dict) -> str:
+    """One line per budget. Where a paired round ran, its medians stand beside its ratio (the
+    study's single measurements would not divide to it)."""
+    import statistics
+
     lines = ["", "| budget | autotune | fastest other that fits and passes the quality guard | ratio |", "|---|---|---|---|"]
     for t, s in zip(doc["autotune"], doc["summary"]):
-        ratio = "-" if s["final_ratio"] is None else f"{s['final_ratio']:.2f}"
-        lines.append(f"| {_size(t['budget_bytes'])} | {_s(s['autotune_latency_s'])} | "
-                     f"{s['best_hand'] or 'none'} {_s(s['best_hand_latency_s'])} | {ratio} |")
+        ours, theirs, how = s["autotune_latency_s"], s["best_hand_latency_s"], "single measurements"
+        paired = s.get("paired")
+        if paired and not paired.get("same_config"):
+            ours, theirs = statistics.median(paired["autotune_s"]), statistics.median(paired["hand_s"])
+            how = f"medians of {paired['rounds']} alternating round(s)"
+        ratio = "-" if s["final_ratio"] is None else f"{s['final_ratio']:.2f} ({how})"
+        lines.append(f"| {_size(t['budget_bytes'])} | {_s(ours)} | "
+                     f"{s['best_hand'] or 'none'} {_s(theirs)} | {ratio} |")
     return "\n".join(lines)
 
 
 def chart(doc: dict, path: Path) -> None:
     import matplotlib
+
+    from autotune.sizes import parse_margin
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -852,12 +881,12 @@ def chart(doc: dict, path: Path) -> None:
             ax.scatter(p["peak_memory_bytes"] / GiB, p["latency_s"], marker="*", s=220, color="C3", zorder=3)
             ax.annotate("autotune", (p["peak_memory_bytes"] / GiB, p["latency_s"]), color="C3", fontsize=8,
                         xytext=(4, -10), textcoords="offset points")
-        limit = budget * 0.95 / GiB
+        limit = (budget - parse_margin(doc["margin"], budget)) / GiB
         if limit < ax.get_xlim()[1] * 1.5:
             ax.axvline(limit, color="grey", ls="--", lw=1)
         ratio = "-" if s["final_ratio"] is None else f"{s['final_ratio']:.2f}"
         ax.set_title(f"budget {_size(budget)}: autotune / best fitting = {ratio}", fontsize=9)
-        ax.set_xlabel("peak memory (GiB); dashed: budget less 5% margin")
+        ax.set_xlabel(f"peak memory (GiB); dashed: budget less the {doc['margin']} margin")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("latency per call (s)")
     w = doc["workload"]
