@@ -62,9 +62,12 @@ def fork_unmapped_bytes() -> int:
 class NvmlPeak:
     """Polls NVML for the device memory used by this process, keeping the peak.
 
-    Per-process figures come from nvmlDeviceGetComputeRunningProcesses. Inside a container the
-    driver may list processes under another PID namespace; then this falls back to the device's
-    used memory minus what was used when tracking started ("nvml-device").
+    Per-process figures come from nvmlDeviceGetComputeRunningProcesses. A process is listed only
+    once it holds a CUDA context, and inside a container the driver may list processes under
+    another PID namespace and never show it. So both figures are kept: the process's own, and the
+    device's used memory minus what was used when tracking started. The process's own is reported
+    when it was ever listed ("nvml-process"); else the device's ("nvml-device", which counts other
+    processes on the GPU too).
     """
 
     def __init__(self, device_uuid: str, interval_s: float = 0.005):
@@ -76,26 +79,33 @@ class NvmlPeak:
         self._start_used = pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
         self._interval = interval_s
         self._pid = os.getpid()
-        self.peak = 0
-        self.source = "nvml-process"
+        self.process_peak: int | None = None  # None: this process was never listed
+        self.device_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nvml-peak", daemon=True)
         self._thread.start()
 
-    def _sample(self) -> int | None:
-        nvml = self._nvml
-        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+    @property
+    def source(self) -> str:
+        return "nvml-device" if self.process_peak is None else "nvml-process"
+
+    @property
+    def peak(self) -> int:
+        return self.device_peak if self.process_peak is None else self.process_peak
+
+    def _own_usage(self) -> int | None:
+        for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
             if proc.pid == self._pid and proc.usedGpuMemory is not None:
                 return proc.usedGpuMemory
         return None
 
     def _run(self):
         while not self._stop.is_set():
-            used = self._sample()
-            if used is None:
-                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
-                self.source = "nvml-device"
-            self.peak = max(self.peak, used)
+            own = self._own_usage()
+            if own is not None:
+                self.process_peak = max(self.process_peak or 0, own)
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+            self.device_peak = max(self.device_peak, used)
             self._stop.wait(self._interval)
 
     def stop(self) -> int:

@@ -1,6 +1,7 @@
 """The timing loop: warm up until steady, then timed calls until the median is stable; the
 host peak a process reports is its own."""
 
+import os
 import subprocess
 import sys
 import time
@@ -73,3 +74,56 @@ def test_a_child_reports_its_own_peak_not_its_parents():
     # replaced, which Python's vfork start makes the parent's.
     out = subprocess.run([sys.executable, "-c", PARENT_THEN_CHILD], capture_output=True, text=True, check=True)
     assert 0 < int(out.stdout.strip()) < 256 * 2**20
+
+
+class FakeNvml:
+    """Stands in for pynvml: no NVIDIA driver exists on this machine. The device's used memory
+    and this process's listing follow a script, one step per poll."""
+
+    class Proc:
+        def __init__(self, pid, used):
+            self.pid, self.usedGpuMemory = pid, used
+
+    class Info:
+        def __init__(self, used):
+            self.used = used
+
+    def __init__(self, steps):
+        self.steps, self.i = steps, 0  # [(device used, this process's used or None), ...]
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return uuid
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return self.Info(self.steps[min(self.i, len(self.steps) - 1)][0])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        self.i += 1
+        own = self.steps[min(self.i, len(self.steps) - 1)][1]
+        return [self.Proc(12345, 7)] + ([self.Proc(os.getpid(), own)] if own is not None else [])
+
+
+def nvml_peak_over(steps, monkeypatch):
+    from autotune.measure import NvmlPeak
+
+    fake = FakeNvml(steps)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    peak = NvmlPeak("GPU-x", interval_s=0.001)
+    while fake.i < len(steps) + 2:
+        time.sleep(0.001)
+    return peak.stop(), peak.source
+
+
+def test_nvml_peak_is_the_process_own_once_it_is_listed(monkeypatch):
+    # Not listed before its CUDA context exists; then listed: its own figure counts, not the
+    # device's (another process holds 5000 of it).
+    steps = [(1000, None), (1000, None), (6000, 300), (9000, 800), (7000, 500)]
+    assert nvml_peak_over(steps, monkeypatch) == (800, "nvml-process")
+
+
+def test_nvml_peak_falls_back_to_the_device_when_the_process_is_never_listed(monkeypatch):
+    steps = [(1000, None), (3000, None), (4500, None), (2000, None)]
+    assert nvml_peak_over(steps, monkeypatch) == (3500, "nvml-device")
