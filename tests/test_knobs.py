@@ -100,6 +100,26 @@ def test_quantize_replaces_denoiser_linear_weights(choice):
     assert finite(generate(pipe, "sdxl"))
 
 
+def test_every_torchao_choice_builds_its_config_here():
+    # The CUDA-only choices cannot run on this CPU, but their torchao configs are built from this
+    # torchao's API: a renamed or moved class fails here, not on a GPU (int4wo's packing-format
+    # import did, on an H100).
+    from autotune.knobs.quantize import _torchao_config
+
+    for choice in CATALOGUE["quantize"].choices:
+        if choice != "none":
+            assert type(_torchao_config(choice)).__module__.startswith("torchao"), choice
+    assert _torchao_config("float8dq").activation_value_lb > 0  # zero rows would quantize to NaN
+
+
+def test_cuda_graph_compile_modes_on_regional_blocks_are_forbidden():
+    from autotune.knobs import conflict
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        assert "pytorch#152887" in conflict({"compile": mode, "compile_regional": True}, "flux")
+    assert conflict({"compile": "max-autotune-no-cudagraphs", "compile_regional": True}, "flux") is None
+
+
 def test_fuse_then_quantize_in_one_config_works():
     pipe = build_tiny("sdxl", {"fuse_qkv": True, "quantize": "int8wo", "dtype": "bfloat16"})
     assert any(is_torchao(m.weight) for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear))

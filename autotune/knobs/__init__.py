@@ -84,6 +84,9 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "fullgraph=True cannot trace through layerwise-casting hooks"),
     ({"compile": list(CUDA_GRAPH_MODES), "offload": _HOOKS},
      "CUDA-graph compile modes replay fixed device addresses; offload moves the weights (diffusers#8879)"),
+    ({"compile": list(CUDA_GRAPH_MODES), "compile_regional": True},
+     "CUDA-graph compile modes on regionally compiled blocks: one block's output is the next replay's "
+     "input and is overwritten by it (pytorch#152887)"),
     # how to compile only matters when compiling
     ({"compile": "none", "compile_fullgraph": True}, "compile_fullgraph only matters when compiling"),
     ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),

@@ -51,7 +51,9 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 def _apply_attention(pipe, value, target, config):
     # "sdpa" is what diffusers installs by default (AttnProcessor2_0): nothing to do, and leaving
     # the processors alone keeps the fused ones that fuse_qkv may have installed.
-    if value in _SLICES:
+    if value == "sdpa" and target.family == "flux":
+        _no_inherited_backend(pipe)
+    elif value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
     elif value in _SDPA_KERNELS:
         _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
@@ -62,6 +64,38 @@ def _apply_attention(pipe, value, target, config):
             pipe.enable_xformers_memory_efficient_attention()
     elif value in _DISPATCHER:
         pipe.transformer.set_attention_backend(_DISPATCHER[value])
+
+
+def _no_inherited_backend(pipe) -> None:
+    """diffusers' set_attention_backend also sets a process-wide default backend (0.42.1), which
+    every dispatcher model whose processors name none then uses: a Flux pipeline built in a
+    process where another one chose flash-attn would run flash-attn too. Say native SDPA then."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    if _AttentionBackendRegistry._active_backend != AttentionBackendName.NATIVE:
+        pipe.transformer.set_attention_backend(AttentionBackendName.NATIVE.value)
+
+
+def _xformers_unusable() -> str | None:
+    """A reason when xFormers cannot run here: not installed, or installed without kernels that
+    load with this torch (a wheel built for another torch imports fine, then every attention call
+    raises "No operator found"). Read from xformers' own load result, without touching CUDA."""
+    missing = package_missing("xformers")
+    if missing:
+        return missing
+    import xformers
+
+    if not xformers._has_cpp_library:
+        build = xformers._cpp_lib._build_metadata
+        built_for = f" (built for torch {build.torch_version})" if build else ""
+        return f"xFormers {xformers.__version__} has no CUDA kernels that load with torch {_torch_version()}{built_for}"
+    return None
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _dispatcher_requirement(backend: str) -> str | None:
@@ -93,7 +127,7 @@ def _attention_unavailable(value, target):
             return f"SDPA's flash kernel needs compute capability 8.0 or more ({target.capability} here)"
         return None
     if value == "xformers":
-        return package_missing("xformers") or (_dispatcher_requirement("xformers") if target.family == "flux" else None)
+        return _xformers_unusable() or (_dispatcher_requirement("xformers") if target.family == "flux" else None)
     # the dispatcher backends
     if target.family != "flux":
         return (f"attention-backend dispatcher ({value}) is a silent no-op for {target.family} in diffusers "

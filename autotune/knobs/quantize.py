@@ -39,11 +39,14 @@ def _torchao_config(value):
     if value in ("int8dq", "int8dq-filtered"):
         return q.Int8DynamicActivationInt8WeightConfig()
     if value == "float8dq":
-        return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow())
+        # A row of zeros has a zero scale and quantizes to 0/0 = NaN (torchao 0.18 bounds the
+        # row's max only when told to). SDXL's unconditional text embeddings are all zeros
+        # (force_zeros_for_empty_prompt), so its cross-attention projections meet such rows.
+        return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow(), activation_value_lb=1e-12)
     if value == "int4wo":
         # torchao 0.18's default packing (PLAIN) needs the mslk package; the tile-packed format
         # runs on torch's own tinygemm kernel (CUDA, SM >= 8.0, bfloat16 weights).
-        from torchao.quantization import Int4PackingFormat
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
         return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
     raise ValueError(value)
