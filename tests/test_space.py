@@ -185,3 +185,12 @@ def test_a_seed_must_name_one_known_value_per_knob(tmp_path):
     (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32]\nseeds:\n  - {dtype: float8}\n")
     with pytest.raises(SpaceError, match="float8"):
         SearchSpace.from_file(tmp_path / "s.yaml")
+
+
+@pytest.mark.parametrize("family", ["default", "sdxl", "sd15", "sd3", "flux"])
+def test_shipped_seeds_measure_uncompiled_configs_before_compiled_ones(family):
+    # A cold compile of a full-size denoiser takes minutes: a study should hold measured,
+    # uncompiled points before it pays for one, and max-autotune (the slowest) comes last.
+    seeds = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").seeds
+    cost = [{"none": 0, "default": 1}.get(s.get("compile", "none"), 2) for s in seeds]
+    assert cost == sorted(cost), seeds
