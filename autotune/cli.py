@@ -32,14 +32,22 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _rounds(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def _positive_float(text: str) -> float:
@@ -125,6 +133,10 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="start no new trial after this long")
     s.add_argument("--patience", type=_positive_int, metavar="N",
                    help="stop early when the best has not improved by 1%% in N measured trials")
+    s.add_argument("--confirm", type=_rounds, default=2, metavar="ROUNDS",
+                   help="once the search stops, measure the fastest feasible configs (up to 3) again "
+                   "this many times each, in alternation, and keep the lowest median over each "
+                   "config's trials (default 2; 0: keep the lowest single measurement)")
     s.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
                    help="kill a trial after this long (default 1200)")
     s.add_argument("--repeats", type=_positive_int, default=3,
@@ -308,7 +320,7 @@ def _tune(args, argv: list[str]) -> int:
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(DEFAULT_STORAGE_DIR / "compile-cache" / study_name).resolve(),
         warm_start=_warm_start_configs(args.warm_start, storage),
-        hardware=machine["name"], machine=machine,
+        hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
     )
     out = console.terminal()
     console.print_header(out, request, space)
@@ -316,7 +328,7 @@ def _tune(args, argv: list[str]) -> int:
         return _tune_on_gpus(out, request, args, argv, output)
     try:
         with console.TrialProgress(out, request.trials) as progress:
-            outcome = tune(request, on_trial=progress.update)
+            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed)
     except KeyboardInterrupt:
         out.print(f"interrupted: the measured trials are kept in {storage} (study "
                   f"{study_name}); run the same command to resume")

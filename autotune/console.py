@@ -127,6 +127,17 @@ class TrialProgress:
         self.progress.update(self.task, advance=1, description=desc)
 
 
+    def confirmed(self, record, entry: dict) -> None:
+        """One line per confirmation (a contender measured again in a fresh trial)."""
+        if entry["latency_s"] is not None:
+            what = f"{entry['latency_s']:.3f} s, {format_size(entry['peak_memory_bytes'])}"
+            if entry["violation"] > 0:
+                what += " (over budget)"
+        else:
+            what = entry["status"]
+        self.out.print(escape(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]"))
+
+
 def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
     out.print(f"stopped: {outcome.stop_reason}")
     guard = outcome.quality_guard
@@ -162,8 +173,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         )
         q = rec.result.get("quality") or {}
         guard = f", PSNR {q['psnr_db']:.1f} dB, SSIM {q['ssim']:.3f}" if q else ""
-        configs.append(f"{label} (trial {rec.number}, {rec.result.get('calls', '?')} timed calls{guard}): "
-                       f"{config_changes(rec.config)}")
+        measured = (f"median of {len(rec.latencies_s)} trials: " + ", ".join(f"{x:.3f}" for x in rec.latencies_s) + " s"
+                    if rec.confirmations else f"{rec.result.get('calls', '?')} timed calls")
+        configs.append(f"{label} (trial {rec.number}, {measured}{guard}): {config_changes(rec.config)}")
     out.print(table)
     for line in configs:
         out.print(escape(line))

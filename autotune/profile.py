@@ -41,11 +41,13 @@ def _point(record, budget_bytes: int) -> dict:
     return {
         "trial": record.number,
         "config": record.config,
-        "latency_s": r["latency_s"],
+        # with confirmations: the median over the config's trials and the highest peak of any
+        "latency_s": record.latency_s,
+        "latencies_s": record.latencies_s if record.confirmations else None,
         "p90_s": r.get("p90_s"),
         "calls": r.get("calls"),
-        "peak_memory_bytes": r["peak_memory_bytes"],
-        "headroom_bytes": budget_bytes - r["peak_memory_bytes"],  # left under the budget
+        "peak_memory_bytes": record.peak_memory_bytes,
+        "headroom_bytes": budget_bytes - record.peak_memory_bytes,  # left under the budget
         "memory_source": r.get("memory_source"),
         "torch_peak_allocated_bytes": r.get("torch_peak_allocated_bytes"),
         "torch_peak_reserved_bytes": r.get("torch_peak_reserved_bytes"),

@@ -66,7 +66,7 @@ def _autotune_defaults() -> dict:
     p = tune_parser()
     return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
             "max_calls": p.get_default("max_calls"), "spread_limit": p.get_default("spread"),
-            "warmup": p.get_default("warmup")}
+            "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
 
 
 AUTOTUNE = _autotune_defaults()
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=AUTOTUNE["repeats"], max_calls=AUTOTUNE["max_calls"], spread_limit=AUTOTUNE["spread_limit"],
             warmup=AUTOTUNE["warmup"], threads=threads,
             compile_cache_dir=cache, min_psnr_db="auto", seed=args.sampler_seed, launcher=launcher,
-            hardware=machine["name"], machine=machine,
+            hardware=machine["name"], machine=machine, confirm_rounds=AUTOTUNE["confirm_rounds"],
         )
 
     log(f"{spec.name} ({spec.kind}) {workload.height}x{workload.width}, {workload.steps} steps, "

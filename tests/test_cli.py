@@ -83,10 +83,14 @@ def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
     assert "offload=model: CPU offload needs an accelerator" in out
 
 
-def study_trials(tmp_path):
+def stored_study(tmp_path):
     url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
     (summary,) = optuna.get_all_study_summaries(url)
-    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    return optuna.load_study(study_name=summary.study_name, storage=url)
+
+
+def study_trials(tmp_path):
+    study = stored_study(tmp_path)
     return [t for t in study.trials if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs]
 
 
@@ -108,6 +112,14 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     profile = yaml.safe_load((tmp_path / "tiny-sd15-8GB.yaml").read_text())
     assert profile["best"]["latency_s"] <= profile["baseline"]["latency_s"]
     assert profile["study"]["trials"] == 3
+    # --confirm 2 (default): each contender measured twice more, in fresh trials, one line each;
+    # a confirmed point's latency is the median of its three trials
+    again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
+    confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
+    assert len(again) == sum(len(v) for v in confirmed.values()) == 2 * len(confirmed)
+    for point in [profile["best"], *profile["pareto"]]:
+        if str(point["trial"]) in confirmed:
+            assert len(point["latencies_s"]) == 3 and point["latency_s"] == sorted(point["latencies_s"])[1]
     assert profile["pareto"] and profile["pareto"][0]["peak_memory_bytes"] <= 8 * 2**30
 
     # The same command with more trials continues the same study.

@@ -7,6 +7,7 @@ the measured trials."""
 import base64
 import json
 import re
+import statistics
 import textwrap
 from datetime import datetime, timedelta
 
@@ -48,11 +49,25 @@ def expected(url, name):
     study = optuna.load_study(study_name=name, storage=url)
     measured = [t for t in study.trials if t.state == TrialState.COMPLETE and "result" in t.user_attrs
                 and t.user_attrs.get("duplicate_of") is None]
-    feasible = [t for t in measured if t.user_attrs["result"]["status"] == "ok" and t.user_attrs["violation"] <= 0]
+    # a config measured again (--confirm): the median of its trials' latencies, the highest peak,
+    # feasible only if every one of its trials was
+    again = study.user_attrs.get("confirmations", {})
+
+    def latency(t):
+        values = [t.user_attrs["result"]["latency_s"]] + [c["latency_s"] for c in again.get(str(t.number), [])
+                                                          if c["latency_s"] is not None]
+        return statistics.median(values)
+
+    def peak(t):
+        return max([t.user_attrs["result"]["peak_memory_bytes"]] +
+                   [c["peak_memory_bytes"] for c in again.get(str(t.number), []) if c["peak_memory_bytes"]])
+
+    feasible = [t for t in measured if t.user_attrs["result"]["status"] == "ok" and t.user_attrs["violation"] <= 0
+                and all(c["violation"] <= 0 for c in again.get(str(t.number), []))]
     front = []
-    for t in sorted(feasible, key=lambda t: (t.user_attrs["result"]["peak_memory_bytes"], t.user_attrs["result"]["latency_s"])):
-        if not front or t.user_attrs["result"]["latency_s"] < front[-1][1]:
-            front.append((t.user_attrs["result"]["peak_memory_bytes"], t.user_attrs["result"]["latency_s"]))
+    for t in sorted(feasible, key=lambda t: (peak(t), latency(t))):
+        if not front or latency(t) < front[-1][1]:
+            front.append((peak(t), latency(t)))
     timeline = {}
     for t in study.trials:
         if t.state == TrialState.PRUNED:

@@ -192,3 +192,58 @@ def test_seeds_stay_in_bfloat16_where_float32_does_not_fit(tmp_path):
                                  budget_bytes=400 * MiB), measure=measure)
     assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
     assert "float32 does not fit the budget: the seeds stay in bfloat16" in outcome.seed_note
+
+
+def drifting_measure(series, peak_of=lambda config, n: 500 * MiB):
+    """Each config's n-th measurement is series[config key][n] (the last one repeats): a first
+    measurement that was lucky, as on a machine that drifts."""
+    from autotune.space import config_key
+
+    calls = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        key = config_key(req["config"])
+        n = sum(k == key for k, _ in calls)
+        calls.append((key, req.get("confirmation")))
+        values = series.get(key, [2.0])
+        return {"status": "ok", "latency_s": values[min(n, len(values) - 1)],
+                "peak_memory_bytes": peak_of(req["config"], n)}
+
+    return measure, calls
+
+
+def test_confirmation_picks_the_lowest_median_not_the_luckiest_measurement(tmp_path):
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    lucky, steady = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, calls = drifting_measure({lucky: [0.80, 1.05, 1.04], steady: [0.95, 0.94, 0.96]})
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    assert outcome.best.config["dtype"] == "bfloat16"
+    assert outcome.best.latencies_s == [0.95, 0.94, 0.96] and outcome.best.latency_s == 0.95
+    # the contenders alternate, fastest first, each in a fresh measurement marked as a confirmation
+    assert calls[2:] == [(lucky, 1), (steady, 1), (lucky, 2), (steady, 2)]
+
+
+def test_without_confirmation_the_luckiest_measurement_wins(tmp_path):
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    lucky, steady = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, calls = drifting_measure({lucky: [0.80, 1.05, 1.04], steady: [0.95, 0.94, 0.96]})
+    outcome = study.tune(request(space, tmp_path, trials=2), measure=measure)
+    assert outcome.best.config["dtype"] == "float32" and len(calls) == 2
+
+
+def test_a_confirmation_over_the_budget_makes_the_config_infeasible(tmp_path):
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    # float32 is fastest but its second trial peaks over the 1000 MiB budget
+    peak = lambda config, n: 1200 * MiB if config["dtype"] == "float32" and n == 1 else 500 * MiB  # noqa: E731
+    from autotune.space import config_key
+
+    measure, _ = drifting_measure({config_key(baseline()): [0.8], config_key({**baseline(), "dtype": "bfloat16"}): [0.9]},
+                                  peak_of=peak)
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=1), measure=measure)
+    assert outcome.best.config["dtype"] == "bfloat16"
+    float32 = next(r for r in outcome.records if r.config["dtype"] == "float32")
+    assert not float32.feasible and float32.peak_memory_bytes == 1200 * MiB
