@@ -1,0 +1,122 @@
+"""GPU memory as the driver sees it, beside what torch's allocator reports, against a budget (#3).
+
+Each configuration is measured in its own child process by autotune's trial harness
+(runner.run_trial, the request a study's trial gets): NVML's used memory of the trial process,
+polled through load, warm-up and timed calls, beside torch's peak reserved and allocated bytes and
+the host's peak resident memory. The table says for each one whether it fits the budget with
+autotune's default margin, and the headroom left.
+
+    python benchmarks/gpu_memory.py                      # SDXL, random weights, 1024x1024, 30 steps, 12GB
+    python benchmarks/gpu_memory.py --steps 4 --out /tmp  # peaks do not depend on the step count
+
+Needs a CUDA GPU (the driver-level figure is what it is for); exits with one line without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GiB = 2**30
+
+# Three points a user at a 12 GB budget chooses between: everything on the GPU in float32 (the
+# default), in bfloat16, and bfloat16 with model offload and a tiled VAE decode.
+CONFIGS = {
+    "float32 (default)": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "bfloat16 + model offload + VAE tiling": {"dtype": "bfloat16", "offload": "model", "vae_tiling": True},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="sdxl")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--budget", default="12GB")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--trial-timeout", type=float, default=900)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from autotune import fingerprint, runner
+    from autotune.cli import tune_parser
+    from autotune.knobs import baseline
+    from autotune.models import resolve_model
+    from autotune.sizes import format_size, parse_margin, parse_size
+    from autotune.workload import Workload
+
+    if not fingerprint.cuda_available():
+        print("gpu_memory: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
+    parser = tune_parser()
+    margin = parser.get_default("margin")
+    budget = parse_size(args.budget)
+    margin_bytes = parse_margin(margin, budget)
+    spec = resolve_model(args.model, random_weights=True)
+    workload = Workload(args.height, args.width, args.steps)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, changes in CONFIGS.items():
+            request = {
+                "model": spec.to_dict(), "config": {**baseline(), **changes}, "workload": workload.to_dict(),
+                "device": "cuda", "capability": list(torch.cuda.get_device_capability()),
+                "repeats": parser.get_default("repeats"), "max_calls": parser.get_default("max_calls"),
+                "spread_limit": parser.get_default("spread"), "warmup": parser.get_default("warmup"),
+            }
+            started = time.monotonic()
+            result = runner.run_trial(request, Path(tmp) / f"{len(rows)}", args.trial_timeout)
+            result["trial_wall_s"] = time.monotonic() - started
+            result.pop("traceback", None)
+            rows.append({"name": name, "config": changes, **result})
+            peak = result.get("peak_memory_bytes")
+            print(f"{name}: {result['status']}, NVML peak {format_size(peak)}, torch reserved "
+                  f"{format_size(result.get('torch_peak_reserved_bytes'))}, "
+                  f"latency {result.get('latency_s', float('nan')):.3f} s", flush=True)
+
+    gpu = torch.cuda.get_device_name(0)
+    lines = [
+        f"# GPU memory: driver (NVML) against torch, {args.model} random weights, "
+        f"{args.width}x{args.height}, {args.steps} steps",
+        "",
+        f"{gpu}, torch {torch.__version__}, Python {platform.python_version()}. Budget {args.budget} "
+        f"with autotune's default margin ({margin}: {format_size(margin_bytes)}): a configuration fits "
+        "when its NVML peak plus the margin is within the budget.",
+        "",
+        f"Command: `python benchmarks/gpu_memory.py --model {args.model} --height {args.height} "
+        f"--width {args.width} --steps {args.steps} --budget {args.budget}`",
+        "",
+        "| configuration | status | NVML peak (source) | torch reserved peak | torch allocated peak | "
+        "NVML - reserved | host peak RSS | fits | headroom | latency (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        peak, reserved = r.get("peak_memory_bytes"), r.get("torch_peak_reserved_bytes")
+        fits = bool(peak) and peak + margin_bytes <= budget
+        headroom = budget - peak if peak else None
+        latency = r.get("latency_s")
+        lines.append(
+            f"| {r['name']} | {r['status']} | {format_size(peak)} ({r.get('memory_source')}) | "
+            f"{format_size(reserved)} | {format_size(r.get('torch_peak_allocated_bytes'))} | "
+            f"{format_size(peak - reserved) if peak and reserved else '-'} | "
+            f"{format_size(r.get('host_peak_rss_bytes'))} | {'yes' if fits else 'no'} | "
+            f"{format_size(headroom) if headroom is not None and headroom >= 0 else '-'} | "
+            f"{f'{latency:.3f}' if latency else '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_memory.md").write_text(text)
+    (args.out / "gpu_memory.json").write_text(json.dumps({"gpu": gpu, "budget": args.budget, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
