@@ -130,6 +130,10 @@ class SearchSpace:
             d.name: config[d.name] for d in self.dimensions if d.when is None or matches(d.when, config)
         }
 
+    def choices_of(self, knob: str) -> tuple:
+        """What the space searches for `knob` (empty when it does not search it)."""
+        return next((d.choices for d in self.dimensions if d.name == knob), ())
+
     def seed_configs(self) -> list[Config]:
         """The space's seeds as full configs of this space (see `fit`)."""
         return self.fit(self.seeds)

@@ -411,10 +411,12 @@ def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
     return {**req.trial_request(config, output), "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1}
 
 
-def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True) -> dict:
+def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True,
+                      time_bfloat16: bool = False) -> dict:
     """The study's quality guard, set up once: the reference output (float32, nothing enabled)
     and, for the "auto" threshold, what a precision change alone (bfloat16) does to it
-    (`threshold=False`: the reference output only)."""
+    (`threshold=False`: the reference output only). `time_bfloat16`: make the bfloat16 call
+    whatever the threshold, for its time (machine_seeds)."""
     request = _one_call(req, baseline(), req.reference_path)
     result = measure(request, req.workdir / "reference", lambda: None)
     if result["status"] == worker.OUT_OF_MEMORY and req.target.device.startswith("cuda"):
@@ -428,15 +430,17 @@ def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
              "float32_call_s": result.get("latency_s"), "float32_peak_bytes": result.get("peak_memory_bytes")}
-    if not threshold:
-        return guard
-    if req.min_psnr_db == "auto":
+    auto = threshold and req.min_psnr_db == "auto"
+    if auto or time_bfloat16:
         half = {**request["config"], "dtype": "bfloat16"}
         probe = measure(_one_call(req, half, req.workdir / "precision" / "output.npy"),
                         req.workdir / "precision", lambda: None)
-        measured = quality.assess(probe, req.reference_path)
         if probe["status"] == worker.OK:
             guard["bfloat16_call_s"] = probe.get("latency_s")
+    if not threshold:
+        return guard
+    if auto:
+        measured = quality.assess(probe, req.reference_path)
         if measured:
             guard["bfloat16_psnr_db"] = measured["psnr_db"]
             threshold = measured["psnr_db"] - quality.AUTO_SLACK_DB
@@ -511,20 +515,28 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
             study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
 
     guard = study.user_attrs.get("quality_guard")
+    timings = guard
+    # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
+    # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
+    seeds_in_bfloat16 = created and "float32" in space.choices_of("dtype") and any(
+        s.get("dtype") == "bfloat16" for s in space.seed_configs())
     try:
         if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
             # Each machine keeps its own reference output (the study may be shared); the threshold
             # is the study's, set by the first worker to calibrate it.
-            calibrated = calibrate_quality(req, measure, threshold=guard is None)
+            calibrated = calibrate_quality(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
             if guard is None:
-                guard = calibrated
+                guard = timings = calibrated
                 study.set_user_attr("quality_guard", calibrated)
+        elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
+            timings = calibrate_quality(req, measure, threshold=False, time_bfloat16=True)
+            study.set_user_attr("precision_probe", timings)
     finally:
         # Seeds go in after the calibration, whose two calls say which precision is fast here; in
         # `finally`, because a study created here and interrupted in its calibration would never get
         # them: the next run finds the study existing.
         if created:
-            seeds, note = machine_seeds(space, guard, req.budget_bytes - req.margin_bytes)
+            seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes)
             keys = {config_key(c) for c in warm}
             for config in seeds:
                 if config_key(config) not in keys:

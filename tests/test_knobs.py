@@ -112,6 +112,15 @@ def test_every_torchao_choice_builds_its_config_here():
     assert _torchao_config("float8dq").activation_value_lb > 0  # zero rows would quantize to NaN
 
 
+def test_sdxl_float16_with_streamed_group_offload_is_forbidden_unless_its_vae_is_not_upcast():
+    from autotune.knobs import complete, conflict
+
+    streamed = complete({"dtype": "float16", "offload": "group-leaf-stream"})
+    assert "pinned" in conflict(streamed, "sdxl")
+    assert conflict({**streamed, "vae_fp16_fix": True}, "sdxl") is None  # the fp16-fix VAE is not upcast
+    assert conflict(streamed, "sd15") is None and conflict({**streamed, "dtype": "bfloat16"}, "sdxl") is None
+
+
 def test_cuda_graph_compile_modes_on_regional_blocks_are_forbidden():
     from autotune.knobs import conflict
 

@@ -40,6 +40,8 @@ def test_seeds_are_measured_right_after_the_baseline(tmp_path):
     space = SearchSpace(SPACE, seeds=seeds)
     measure, measured = fake_measure(lambda c: 1.0)
     study.tune(request(space, tmp_path, trials=4), measure=measure)
+    probe, measured = measured[:2], measured[2:]  # a float32 and a bfloat16 call: which precision is fast here
+    assert [c["dtype"] for c in probe] == ["float32", "bfloat16"]
     assert measured[0] == baseline()
     assert measured[1] == {**baseline(), "dtype": "bfloat16", "fuse_qkv": True}
     assert measured[2] == {**baseline(), "dtype": "float16"}
@@ -107,8 +109,8 @@ def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_pa
     space = SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}])
     measure, measured = fake_measure(lambda c: 1.0)
     study.tune(request(space, tmp_path, trials=3, warm_start=front), measure=measure)
-    assert measured[:3] == [baseline(), {**baseline(), "dtype": "float16", "channels_last": True},
-                            {**baseline(), "dtype": "bfloat16"}]
+    assert measured[2:5] == [baseline(), {**baseline(), "dtype": "float16", "channels_last": True},
+                             {**baseline(), "dtype": "bfloat16"}]  # after the precision probe's two calls
 
 
 def test_a_study_refuses_a_worker_on_another_device_model(tmp_path):
@@ -174,6 +176,23 @@ def test_seeds_keep_their_settings_in_float32_where_bfloat16_ran_slow(tmp_path):
     assert [c["dtype"] for c in calibration] == ["float32", "bfloat16"]
     assert trials == [baseline(), {**baseline(), "fuse_qkv": True}, {**baseline(), "channels_last": True}]
     assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
+
+
+def test_without_the_quality_guard_the_seeds_still_follow_the_fast_precision(tmp_path):
+    # --min-psnr 0: no reference to compare with, but the float32 and bfloat16 calls are made
+    # for their times, and the seeds follow them as with the guard.
+    measure, measured = fake_measure(lambda c: 2.5 if c["dtype"] == "bfloat16" else 1.0)
+    outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db=None),
+                         measure=measure)
+    assert [c["dtype"] for c in measured[:2]] == ["float32", "bfloat16"]
+    assert measured[2:] == [baseline(), {**baseline(), "fuse_qkv": True}, {**baseline(), "channels_last": True}]
+    assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
+
+
+def test_a_space_without_bfloat16_seeds_makes_no_precision_calls(tmp_path):
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(request(SearchSpace(SPACE, seeds=[{"fuse_qkv": True}]), tmp_path, trials=2), measure=measure)
+    assert measured == [baseline(), {**baseline(), "fuse_qkv": True}]
 
 
 def test_seeds_stay_in_bfloat16_where_it_runs_fast(tmp_path):
