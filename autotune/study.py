@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -142,9 +143,7 @@ class TrialRecord:
         """The trial's median, or with confirmations the median of all of its trials' medians."""
         if not self.confirmations:
             return self.result.get("latency_s")
-        values = sorted(self.latencies_s)
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        return statistics.median(self.latencies_s)
 
     @property
     def peak_memory_bytes(self) -> int | None:
