@@ -101,7 +101,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # VAE decode with "mixed dtype"): the pinned host copies are keyed by parameter and made once,
     # and `.to(dtype)` converts the parameters in place, so the copies keep the old dtype.
     ({"dtype": "float16", "vae_fp16_fix": False, "offload": ["group-block-1-stream", "group-leaf-stream"],
-      "family": "sdxl"},
+      "family": ["sdxl"]},
      "SDXL upcasts its float16 VAE with .to(float32) for each decode; group offload with streams onloads "
      "the float16 host copies it pinned when it was set up, so the decode mixes dtypes"),
 )
