@@ -48,7 +48,7 @@ import optuna
 
 from autotune import study as study_mod
 from autotune.fingerprint import machine, software
-from autotune.knobs import Target, baseline
+from autotune.knobs import Target, baseline, complete
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
 from autotune.workload import Workload
@@ -177,7 +177,9 @@ class Table:
         self.spec = ModelSpec.from_dict(data["model"])
         self.workload = Workload.from_dict(data["workload"])
         self.device = data["device"]
-        self.rows = data["configs"]
+        # Keyed by the full config as the catalogue stands now: a knob added since the table was
+        # measured takes its default, which is what every row ran with (it did not exist then).
+        self.rows = {config_key(complete(row["config"])): row for row in data["configs"].values()}
         missing = [config_key(c) for c in self.space.configs() if config_key(c) not in self.rows]
         if missing:
             raise SystemExit(f"the table lacks {len(missing)} configs of its space (measure --resume)")
