@@ -10,7 +10,6 @@ the preloaded server and a fresh serving process).
 from __future__ import annotations
 
 import argparse
-import platform
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from autotune.knobs import baseline
+from autotune.console import config_changes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "replay_fidelity.md"
 # model, budget: budgets that bite, chosen from peaks measured on the 2-core Xeon this ran on
@@ -66,9 +65,7 @@ def main() -> None:
             latency_ratio = replayed(verify.stdout, "latency (median)")
             peak_ratio = replayed(verify.stdout, "peak memory")
             peak = profile["best"]["peak_memory_bytes"] * peak_ratio
-            base = baseline()
-            changed = ", ".join(f"{k}={v}" for k, v in profile["best"]["config"].items()
-                                if base.get(k) != v) or "baseline (float32, nothing enabled)"
+            changed = config_changes(profile["best"]["config"])
             rows.append((model, budget, changed, profile["best"]["latency_s"], latency_ratio,
                          profile["best"]["peak_memory_bytes"], peak, profile["budget"]["memory_bytes"]))
     lines = [

@@ -51,8 +51,10 @@ import shlex
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
+
+from autotune.console import config_changes  # how the CLI names a config's changes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -364,14 +366,6 @@ def log(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def describe(config: dict) -> str:
-    from autotune.knobs import baseline
-
-    base = baseline()
-    changed = {k: v for k, v in config.items() if base.get(k) != v}
-    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "nothing enabled (float32)"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
@@ -410,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     from autotune import fingerprint, profile as profile_io, runner
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # this script prints each trial itself
-    from autotune.knobs import Target, baseline
+    from autotune.knobs import Target
     from autotune.models import resolve_model
     from autotune.sizes import format_size, short_size
     from autotune.space import SHIPPED_DIR, SearchSpace
@@ -484,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         if ckey in by_config:
             log(f"{c.name}: same configuration as {by_config[ckey]['first']}: measured once")
             continue
-        log(f"{c.name}: measuring {describe(c.config)}")
+        log(f"{c.name}: measuring {config_changes(c.config)}")
         out = workdir / "contestants" / c.name / "output.npy"
         result = pool(probe.trial_request(c.config, out), workdir / "contestants" / c.name, None)
         by_config[ckey] = {"first": c.name, "result": result}
@@ -495,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in entries:
         shared = by_config[json.dumps(c.config, sort_keys=True)]
         rows.append({"name": c.name, "kind": c.kind, "source": c.source, "config": c.config,
-                     "changed": describe(c.config), "notes": c.notes,
+                     "changed": config_changes(c.config), "notes": c.notes,
                      "same_as": None if shared["first"] == c.name else shared["first"],
                      "result": _slim(shared["result"])})
     peaks = {r["name"]: r["result"].get("peak_memory_bytes") for r in rows if r["result"]["status"] == "ok"}
@@ -515,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def progress(record):
             r = record.result
-            log(f"  trial {record.number}: {describe(record.config)} -> {record.status} "
+            log(f"  trial {record.number}: {config_changes(record.config)} -> {record.status} "
                 f"{_s(r.get('latency_s'))}, peak {format_size(r.get('peak_memory_bytes'))}, "
                 f"{'feasible' if record.feasible else 'infeasible'}{' (reused)' if r.get('reused') else ''}")
 
@@ -536,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          "cold_start_s", "quality", "p90_s", "spread")}
             entry["profile"] = str(workdir / f"{name}.yaml")
         log(f"  done: {outcome.stop_reason}; " + (
-            f"best {describe(entry['point']['config'])}: {_s(entry['point']['latency_s'])}, peak "
+            f"best {config_changes(entry['point']['config'])}: {_s(entry['point']['latency_s'])}, peak "
             f"{format_size(entry['point']['peak_memory_bytes'])}" if entry["point"] else "nothing fits"))
         tuned.append(entry)
 
@@ -657,7 +651,7 @@ def compare(rows: list[dict], tuned: list[dict], space, guard_db: float | None) 
             s["ratio"] = point["latency_s"] / best_hand["result"]["latency_s"]
             if s["ratio"] > 1.0:
                 s["loss"] = f"{best_hand['name']} ({best_hand['changed']}) ran {best_hand['result']['latency_s']:.3f} s " \
-                            f"against autotune's {point['latency_s']:.3f} s ({describe(point['config'])}): " + \
+                            f"against autotune's {point['latency_s']:.3f} s ({config_changes(point['config'])}): " + \
                             why_lost(best_hand, t, space)
         elif best_hand and not point:
             s["loss"] = f"autotune found nothing that fits; {best_hand['name']} fits: " + why_lost(best_hand, t, space)
@@ -817,7 +811,7 @@ def markdown(doc: dict) -> str:
     for t, s in zip(doc["autotune"], doc["summary"]):
         p = t["point"]
         lines.append(
-            f"| {_size(t['budget_bytes'])} | {describe(p['config']) if p else 'nothing fits'} | "
+            f"| {_size(t['budget_bytes'])} | {config_changes(p['config']) if p else 'nothing fits'} | "
             f"{_s(p and p['latency_s'])} | {_size(p and p['peak_memory_bytes'])} | {t['trials']} ({t['stop_reason']}) | "
             f"{s['best_hand'] or 'none fits'} | {_s(s['best_hand_latency_s'])} | "
             f"{_plain(s['ratio'])} | "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from autotune.console import config_changes
 from autotune.knobs import APPLY_ORDER, CATALOGUE, Target, apply_config, build_configured, conflict
 from autotune.knobs.compile import CUDA_GRAPH_MODES
 from autotune.models import resolve_model
@@ -178,14 +179,8 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
             if not np.isfinite(out.images).all():
                 failures.append(f"{pair}: NaN or inf in the output")
         except Exception as exc:  # noqa: BLE001 - collected, reported below
-            failures.append(f"{pair} ({describe_changes(config)}): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            failures.append(f"{pair} ({config_changes(config)}): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
             del pipe
             torch.cuda.empty_cache()
     assert not failures, f"{len(failures)} of {len(configs)} pairs failed:\n" + "\n".join(failures)
-
-
-def describe_changes(config):
-    from autotune.knobs import baseline
-
-    return ", ".join(f"{k}={v}" for k, v in config.items() if baseline().get(k) != v)
