@@ -91,6 +91,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def measurement_defaults() -> dict:
+    """How `autotune` measures unless told otherwise, read from its parser: benchmarks hold their
+    contestants to exactly these. Keys as TuneRequest names them, and the margin."""
+    p = tune_parser()
+    return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
+            "max_calls": p.get_default("max_calls"), "spread_limit": p.get_default("spread"),
+            "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
+
+
 def tune_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="autotune",

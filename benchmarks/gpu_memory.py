@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from autotune import fingerprint, runner
-    from autotune.cli import tune_parser
+    from autotune.cli import measurement_defaults
     from autotune.knobs import baseline
     from autotune.models import resolve_model
     from autotune.sizes import format_size, parse_margin, parse_size
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if not fingerprint.cuda_available():
         print("gpu_memory: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
-    parser = tune_parser()
-    margin = parser.get_default("margin")
+    defaults = measurement_defaults()
+    margin = defaults["margin"]
     budget = parse_size(args.budget)
     margin_bytes = parse_margin(margin, budget)
     spec = resolve_model(args.model, random_weights=True)
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             request = {
                 "model": spec.to_dict(), "config": {**baseline(), **changes}, "workload": workload.to_dict(),
                 "device": "cuda", "capability": list(torch.cuda.get_device_capability()),
-                "repeats": parser.get_default("repeats"), "max_calls": parser.get_default("max_calls"),
-                "spread_limit": parser.get_default("spread"), "warmup": parser.get_default("warmup"),
+                **{k: defaults[k] for k in ("repeats", "max_calls", "spread_limit", "warmup")},
             }
             started = time.monotonic()
             result = runner.run_trial(request, Path(tmp) / f"{len(rows)}", args.trial_timeout)

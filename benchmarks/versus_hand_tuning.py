@@ -54,24 +54,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from autotune.cli import measurement_defaults
 from autotune.console import config_changes  # how the CLI names a config's changes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-
-
-def _autotune_defaults() -> dict:
-    """The measurement settings `autotune` itself uses unless told otherwise, read from its CLI
-    parser: the benchmark holds autotune (and every contestant) to exactly those."""
-    from autotune.cli import tune_parser
-
-    p = tune_parser()
-    return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
-            "max_calls": p.get_default("max_calls"), "spread_limit": p.get_default("spread"),
-            "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
-
-
-AUTOTUNE = _autotune_defaults()
+AUTOTUNE = measurement_defaults()  # autotune's own, from its CLI
 MARGIN = AUTOTUNE["margin"]
 GiB = 2**30
 
