@@ -294,18 +294,17 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     if "result" not in attrs:
         return None
     confirmations = confirmations or []
+    violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
     # A confirmation that ran out of memory, broke, or went over the budget makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
-    violation = max([attrs["violation"], *(c["violation"] for c in confirmations)])
-    violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
-    if confirmations:
-        violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in confirmations)])
+    worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
+    violations["memory"] = max(violations.get("memory", 0.0), worst_again)
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
         status=attrs["result"]["status"],
         result=attrs["result"],
-        violation=violation,
+        violation=max(attrs["violation"], worst_again),
         violations=violations,
         baseline=attrs.get("baseline", False),
         duplicate_of=attrs.get("duplicate_of"),
@@ -514,19 +513,18 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
             study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
 
     guard = study.user_attrs.get("quality_guard")
-    timings = guard
     # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
     # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
     seeds_in_bfloat16 = created and "float32" in space.choices_of("dtype") and any(
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
+    timings = None  # the float32 and bfloat16 calls' times, for machine_seeds
     try:
         if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
             # Each machine keeps its own reference output (the study may be shared); the threshold
             # is the study's, set by the first worker to calibrate it.
-            calibrated = calibrate_quality(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
+            timings = calibrate_quality(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
             if guard is None:
-                guard = timings = calibrated
-                study.set_user_attr("quality_guard", calibrated)
+                study.set_user_attr("quality_guard", timings)
         elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
             timings = calibrate_quality(req, measure, threshold=False, time_bfloat16=True)
             study.set_user_attr("precision_probe", timings)

@@ -83,19 +83,16 @@ def _xformers_unusable() -> str | None:
     missing = package_missing("xformers")
     if missing:
         return missing
+    import torch
     import xformers
 
-    if not xformers._has_cpp_library:
-        build = xformers._cpp_lib._build_metadata
+    # xformers' own record of loading its compiled library (private names, hence the defaults:
+    # a version without them is taken as usable, as before this check)
+    if not getattr(xformers, "_has_cpp_library", True):
+        build = getattr(getattr(xformers, "_cpp_lib", None), "_build_metadata", None)
         built_for = f" (built for torch {build.torch_version})" if build else ""
-        return f"xFormers {xformers.__version__} has no CUDA kernels that load with torch {_torch_version()}{built_for}"
+        return f"xFormers {xformers.__version__} has no CUDA kernels that load with torch {torch.__version__}{built_for}"
     return None
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def _dispatcher_requirement(backend: str) -> str | None:
