@@ -112,11 +112,18 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     profile = yaml.safe_load((tmp_path / "tiny-sd15-8GB.yaml").read_text())
     assert profile["best"]["latency_s"] <= profile["baseline"]["latency_s"]
     assert profile["study"]["trials"] == 3
-    # --confirm 2 (default): each contender measured twice more, in fresh trials, one line each;
+    # --confirm 2 (default): the contenders (the fastest feasible trials, up to 3 within 1.5x of
+    # the fastest; none when fewer than 2) measured twice more each, in fresh trials, one line each;
     # a confirmed point's latency is the median of its three trials
-    again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
+    feasible = sorted((t for t in trials if t.user_attrs["result"]["status"] == "ok" and t.user_attrs["violation"] <= 0),
+                      key=lambda t: t.user_attrs["result"]["latency_s"])
+    fastest = feasible[0].user_attrs["result"]["latency_s"]
+    contenders = [t.number for t in feasible if t.user_attrs["result"]["latency_s"] <= 1.5 * fastest][:3]
     confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
-    assert len(again) == sum(len(v) for v in confirmed.values()) == 2 * len(confirmed)
+    assert sorted(map(int, confirmed)) == (sorted(contenders) if len(contenders) > 1 else [])
+    assert all(len(entries) == 2 for entries in confirmed.values())
+    again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
+    assert len(again) == 2 * len(confirmed)
     for point in [profile["best"], *profile["pareto"]]:
         if str(point["trial"]) in confirmed:
             assert len(point["latencies_s"]) == 3 and point["latency_s"] == sorted(point["latencies_s"])[1]
