@@ -793,7 +793,8 @@ def markdown(doc: dict) -> str:
                      f"{'-' if q is None else q} | {marks} |")
     lines += ["", "## autotune per budget", "",
               "| budget | autotune's configuration | latency | peak | trials (stop) | fastest other that fits "
-              "and passes the quality guard | its latency | ratio autotune / it, single measurements | "
+              "and passes the quality guard | its latency | ratio autotune / it, as first measured (autotune's: the "
+              "median of its confirmed trials) | "
               "ratio, measured alternately (rounds) | faster, but below the guard |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for t, s in zip(doc["autotune"], doc["summary"]):
