@@ -104,8 +104,9 @@ class NvmlPeak:
             own = self._own_usage()
             if own is not None:
                 self.process_peak = max(self.process_peak or 0, own)
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
-            self.device_peak = max(self.device_peak, used)
+            elif self.process_peak is None:  # the device's figure counts only until the process is listed
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+                self.device_peak = max(self.device_peak, used)
             self._stop.wait(self._interval)
 
     def stop(self) -> int:
