@@ -178,6 +178,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     out.print(table)
     for line in configs:
         out.print(escape(line))
+    if getattr(outcome, "choice_note", None):
+        out.print(escape(f"choice: {outcome.choice_note}"))
     if len(outcome.front) > 1:
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))

@@ -93,6 +93,7 @@ def build(req, outcome, storage_label: str) -> dict:
             "storage": storage_label,
             **{k: v for k, v in outcome.counts.items()},
             "stop_reason": outcome.stop_reason,
+            "choice": outcome.choice_note,  # why a simpler config was kept over a lower median
         },
     }
 
@@ -154,11 +155,13 @@ class Profile:
         return complete(self.best["config"])
 
     def choose(self, budget_bytes: int | None = None) -> dict:
-        """The fastest measured point whose peak plus the profile's safety margin fits
-        `budget_bytes` (default: the profile's best)."""
-        if budget_bytes is None:
+        """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
+        (or none is given): the study's pick, which may be a simpler config than a front point
+        with a lower median that its trials did not back (study.choose_best). Else the fastest
+        front point that fits."""
+        margin = parse_margin(self.margin, budget_bytes) if budget_bytes is not None else 0
+        if budget_bytes is None or self.best["peak_memory_bytes"] + margin <= budget_bytes:
             return self.best
-        margin = parse_margin(self.margin, budget_bytes)
         fitting = [p for p in self.pareto if p["peak_memory_bytes"] + margin <= budget_bytes]
         if not fitting:
             smallest = min(p["peak_memory_bytes"] for p in self.pareto)

@@ -133,6 +133,10 @@ def trial_class(frozen) -> str | None:
     """How a trial ended, for the timeline; None for one still running or waiting."""
     from optuna.trial import TrialState
 
+    from .study import CONFIRMER
+
+    if CONFIRMER in frozen.user_attrs:
+        return None  # a shared study's claim on its confirmation phase, not a measurement
     if frozen.state == TrialState.PRUNED:
         return "forbidden"
     if frozen.state == TrialState.FAIL:

@@ -113,12 +113,13 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     assert profile["best"]["latency_s"] <= profile["baseline"]["latency_s"]
     assert profile["study"]["trials"] == 3
     # --confirm 2 (default): the contenders (the fastest feasible trials, up to 3 within 1.5x of
-    # the fastest; none when fewer than 2) measured twice more each, in fresh trials, one line each;
-    # a confirmed point's latency is the median of its three trials
+    # the fastest, and the baseline within 1.5x; none when fewer than 2) measured twice more each,
+    # in fresh trials, one line each; a confirmed point's latency is the median of its three trials
     feasible = sorted((t for t in trials if t.user_attrs["result"]["status"] == "ok" and t.user_attrs["violation"] <= 0),
                       key=lambda t: t.user_attrs["result"]["latency_s"])
     fastest = feasible[0].user_attrs["result"]["latency_s"]
-    contenders = [t.number for t in feasible if t.user_attrs["result"]["latency_s"] <= 1.5 * fastest][:3]
+    close = [t.number for t in feasible if t.user_attrs["result"]["latency_s"] <= 1.5 * fastest]
+    contenders = close[:3] + ([0] if 0 in close[3:] else [])
     confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
     assert sorted(map(int, confirmed)) == (sorted(contenders) if len(contenders) > 1 else [])
     assert all(len(entries) == 2 for entries in confirmed.values())

@@ -66,6 +66,17 @@ def test_choose_takes_the_fastest_point_that_fits(written):
         profile.choose(GiB // 2)
 
 
+def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
+    """A study may keep a simpler config over a front point with a lower median its trials did not
+    back (study.choose_best): a budget the pick fits gets the pick, not that point."""
+    doc = document()
+    doc["best"] = point(0, 0.12, 3 * GiB)  # the default, kept over trial 3's 0.10 s median
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.choose()["trial"] == 0
+    assert profile.choose(8 * GiB)["trial"] == 0
+    assert profile.choose(2 * GiB)["trial"] == 5  # the pick does not fit: the fastest point that does
+
+
 def test_choose_keeps_the_safety_margin_free(tmp_path):
     doc = document()
     doc["budget"]["margin"] = "10%"

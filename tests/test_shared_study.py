@@ -79,6 +79,10 @@ def two_workers_share(tmp_path, url, extra):
     assert len(by_worker) == 2, by_worker  # both measured
     said = worker_count(out_first, len(trials)) + worker_count(out_second, len(trials))
     assert said == len(trials) == sum(by_worker.values())  # the counts add up
+    # one worker at a time confirms the contenders (--confirm 2): each measured twice more, not
+    # once by each worker
+    confirmed = study.user_attrs.get("confirmations", {})
+    assert all(len(entries) == 2 for entries in confirmed.values()), confirmed
 
     profile = yaml.safe_load((tmp_path / "shared.yaml").read_text())  # one profile, of all trials
     assert profile["study"]["trials"] == len(trials)

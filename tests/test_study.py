@@ -16,8 +16,8 @@ def request(space, tmp_path: Path, **kw) -> study.TuneRequest:
     spec = resolve_model("tiny-sd15")
     return study.TuneRequest(
         spec=spec, workload=spec.default_workload, space=space,
-        target=Target(device="cpu", family=spec.family), storage="memory", study_name="s",
-        workdir=tmp_path, **{"budget_bytes": 1000 * MiB, "min_psnr_db": None, "seed": 0, **kw},
+        target=Target(device="cpu", family=spec.family), study_name="s", workdir=tmp_path,
+        **{"storage": "memory", "budget_bytes": 1000 * MiB, "min_psnr_db": None, "seed": 0, **kw},
     )
 
 
@@ -234,14 +234,41 @@ def drifting_measure(series, peak_of=lambda config, n: 500 * MiB):
 def test_confirmation_picks_the_lowest_median_not_the_luckiest_measurement(tmp_path):
     from autotune.space import config_key
 
-    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
-    lucky, steady = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    lucky, steady = config_key({**baseline(), "dtype": "float16"}), config_key({**baseline(), "dtype": "bfloat16"})
+    # the baseline (2.0 s) is more than 1.5x the fastest: not a contender
     measure, calls = drifting_measure({lucky: [0.80, 1.05, 1.04], steady: [0.95, 0.94, 0.96]})
-    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=2), measure=measure)
     assert outcome.best.config["dtype"] == "bfloat16"
     assert outcome.best.latencies_s == [0.95, 0.94, 0.96] and outcome.best.latency_s == 0.95
+    assert outcome.choice_note is None  # the lowest median, as both change one knob
     # the contenders alternate, fastest first, each in a fresh measurement marked as a confirmation
-    assert calls[2:] == [(lucky, 1), (steady, 1), (lucky, 2), (steady, 2)]
+    assert calls[3:] == [(lucky, 1), (steady, 1), (lucky, 2), (steady, 2)]
+
+
+def test_a_lower_median_its_trials_do_not_back_keeps_the_default(tmp_path):
+    """bfloat16's median is 5% lower, but its own slowest trial was slower than the default's
+    median: noise, so the config that changes nothing is kept. The baseline is confirmed beside
+    the contenders."""
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    base, bf16 = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, calls = drifting_measure({base: [1.00, 0.90, 1.10], bf16: [0.85, 0.95, 1.02]})
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    assert calls[2:] == [(bf16, 1), (base, 1), (bf16, 2), (base, 2)]
+    assert outcome.best.baseline and outcome.best.latency_s == 1.00
+    assert outcome.choice_note.startswith(f"kept trial 0 (0 knobs changed, median 1.000 s) over trial 1")
+
+
+def test_a_config_faster_in_every_trial_beats_the_default(tmp_path):
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    base, bf16 = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, _ = drifting_measure({base: [1.00, 0.97, 1.02], bf16: [0.90, 0.96, 0.91]})
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    assert outcome.best.config["dtype"] == "bfloat16" and outcome.choice_note is None
 
 
 def test_without_confirmation_the_luckiest_measurement_wins(tmp_path):
@@ -266,3 +293,30 @@ def test_a_confirmation_over_the_budget_makes_the_config_infeasible(tmp_path):
     assert outcome.best.config["dtype"] == "bfloat16"
     float32 = next(r for r in outcome.records if r.config["dtype"] == "float32")
     assert not float32.feasible and float32.peak_memory_bytes == 1200 * MiB
+
+
+def test_a_claim_left_by_a_killed_confirmer_is_taken_over(tmp_path, monkeypatch):
+    """A worker killed while confirming leaves its claim running without heartbeats: the next
+    worker waits for it to go stale, fails it (without queueing it again as a trial) and confirms."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.space import config_key
+
+    monkeypatch.setattr(study, "GRACE_S", 1.0)
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    base, bf16 = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, calls = drifting_measure({base: [1.00, 0.97, 1.02], bf16: [0.90, 0.96, 0.91]})
+    study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)  # the search alone
+    shared = optuna.load_study(study_name="s", storage=study.open_storage(storage))
+    dead = study._claim_confirmation(shared)  # as a worker killed right after it claimed
+    assert dead is not None and study._claim_confirmation(shared) is None  # held: nobody else claims
+
+    outcome = study.tune(request(space, tmp_path, trials=2, storage=storage, confirm_rounds=2), measure=measure)
+    assert calls[2:] == [(bf16, 1), (base, 1), (bf16, 2), (base, 2)]
+    assert outcome.best.config["dtype"] == "bfloat16" and len(outcome.best.latencies_s) == 3
+    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    claims = [t for t in trials if study.CONFIRMER in t.user_attrs]
+    assert [t.state for t in claims] == [TrialState.FAIL, TrialState.FAIL]  # the dead one, then this worker's
+    assert not [t for t in trials if t.state == TrialState.WAITING]  # no claim queued again as a trial
