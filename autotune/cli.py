@@ -537,22 +537,16 @@ def _verify(out, profile, args) -> int:
     """Replay a profile in a fresh process, as production loads it, and compare with the record."""
     import tempfile
 
-    from . import console, runner
+    from . import console, runner, worker
 
     device = args.device or profile.data["machine"]["device"]
     measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
-    request = {
-        "profile": str(args.profile.resolve()),
-        "model": profile.data["model"],
-        "config": profile.config,
-        "workload": profile.data["workload"],
-        "device": device,
-        "repeats": args.repeats,
-        "warmup": 1,
-        "threads": profile.threads,  # the thread count it was measured with
-        "max_calls": max(args.repeats, measured.get("timed_calls_max", 10)),
-        "spread_limit": measured.get("spread_limit", 0.05),
-    }
+    request = worker.trial_request(
+        profile.model, profile.config, profile.workload, device, profile=args.profile,
+        repeats=args.repeats, max_calls=measured.get("timed_calls_max", 10),
+        spread_limit=measured.get("spread_limit", 0.05),
+        threads=profile.threads,  # the thread count it was measured with
+    )
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts
         result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")

@@ -116,6 +116,8 @@ class TrialProgress:
             if not record.feasible:
                 v = record.violations
                 what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
+            if r.get("cut_short"):
+                what += " (cut short: over 2x the best, one warm call)"
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))

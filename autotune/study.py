@@ -96,22 +96,15 @@ class TuneRequest:
     def margin_bytes(self) -> int:
         return parse_margin(self.margin, self.budget_bytes)
 
-    def trial_request(self, config: Config, output_path: Path) -> dict:
-        """What the child process of a trial of `config` is asked to do (worker.run reads it)."""
-        return {
-            "model": self.spec.to_dict(),
-            "config": config,
-            "workload": self.workload.to_dict(),
-            "device": self.target.device,
-            "capability": self.target.capability,
-            "repeats": self.repeats,
-            "max_calls": self.max_calls,
-            "spread_limit": self.spread_limit,
-            "warmup": self.warmup,
-            "threads": self.threads,
-            "compile_cache_dir": str(self.compile_cache_dir) if self.compile_cache_dir else None,
-            "output_path": str(output_path.resolve()),
-        }
+    def trial_request(self, config: Config, output_path: Path | None = None, **overrides) -> dict:
+        """What the child process of a trial of `config` is asked to do (worker.run reads it), as
+        this study measures; `overrides`: other worker.trial_request arguments, or marks."""
+        settings = dict(
+            capability=self.target.capability, warmup=self.warmup, repeats=self.repeats,
+            max_calls=self.max_calls, spread_limit=self.spread_limit, threads=self.threads,
+            compile_cache_dir=self.compile_cache_dir, output_path=output_path,
+        )
+        return worker.trial_request(self.spec, config, self.workload, self.target.device, **{**settings, **overrides})
 
 
 @dataclass
@@ -296,10 +289,13 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
         return None
     confirmations = confirmations or []
     violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
-    # A confirmation that ran out of memory, broke, or went over the budget makes the config
+    # A confirmation that went over the budget, ran out of memory or broke makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
     worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
-    violations["memory"] = max(violations.get("memory", 0.0), worst_again)
+    over_again = [c["violation"] for c in confirmations if c["status"] in (worker.OK, worker.OUT_OF_MEMORY)]
+    violations["memory"] = max([violations.get("memory", 0.0), *over_again])
+    if any(c["status"] not in (worker.OK, worker.OUT_OF_MEMORY) for c in confirmations):
+        violations["failed_again"] = BROKEN  # a crash or timeout, not memory
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
@@ -406,16 +402,16 @@ def memory_dominated(config: Config, records: list[TrialRecord]) -> TrialRecord 
 
 
 def _one_call(req: TuneRequest, config: Config, output: Path) -> dict:
-    """A trial request that makes one call: for the quality guard's reference outputs."""
-    return {**req.trial_request(config, output), "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1}
+    """A request that makes one call, marked as a reference call (not a trial of the search)."""
+    return req.trial_request(config, output, repeats=1, max_calls=1, warmup=1, max_warmup=1, purpose="reference")
 
 
-def calibrate_quality(req: TuneRequest, measure: Measure, threshold: bool = True,
-                      time_bfloat16: bool = False) -> dict:
-    """The study's quality guard, set up once: the reference output (float32, nothing enabled)
-    and, for the "auto" threshold, what a precision change alone (bfloat16) does to it
-    (`threshold=False`: the reference output only). `time_bfloat16`: make the bfloat16 call
-    whatever the threshold, for its time (machine_seeds)."""
+def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
+                    time_bfloat16: bool = False) -> dict:
+    """The study's one-call runs, made once: the reference output (float32, nothing enabled)
+    the quality guard compares with, and a bfloat16 call, whose PSNR sets the "auto" threshold
+    and whose time says which precision the seeds take (machine_seeds). `threshold=False`: no
+    threshold set; `time_bfloat16`: the bfloat16 call made whatever the threshold."""
     request = _one_call(req, baseline(), req.reference_path)
     result = measure(request, req.workdir / "reference", lambda: None)
     if result["status"] == worker.OUT_OF_MEMORY and req.target.device.startswith("cuda"):
@@ -523,11 +519,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
         if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
             # Each machine keeps its own reference output (the study may be shared); the threshold
             # is the study's, set by the first worker to calibrate it.
-            timings = calibrate_quality(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
+            timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
             if guard is None:
                 study.set_user_attr("quality_guard", timings)
         elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
-            timings = calibrate_quality(req, measure, threshold=False, time_bfloat16=True)
+            timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
             study.set_user_attr("precision_probe", timings)
     finally:
         # Seeds go in after the calibration, whose two calls say which precision is fast here; in
@@ -544,7 +540,16 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
     return study
 
 
-# bfloat16 this much slower than float32 in the quality guard's calibration calls: not a precision
+# A trial whose warm call is this much slower than the fastest feasible trial so far stops there,
+# that call its figure (worker.trial_request's cut_above_s): it cannot be a
+# contender (those are within 1 + CONTENDER_WITHIN of the fastest), and a precise median of a
+# config that slow would cost minutes per trial for nothing (float16 on a CPU, sequential offload).
+# Its memory is measured in full, so it still counts for the Pareto front. Optuna's pruners do
+# this for trials that report intermediate values; a trial here reports once, from its child.
+CUT_SLOWER_THAN = 2.0
+
+
+# bfloat16 this much slower than float32 in the study's reference calls (reference_calls): not a precision
 # to seed with here (CPUs without bf16 instructions, GPUs before Ampere; 2.5x on a 2-core Xeon VM).
 SLOW_BFLOAT16 = 1.2
 
@@ -560,7 +565,7 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
     fp32, bf16 = guard.get("float32_call_s"), guard.get("bfloat16_call_s")
     if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
         return seeds, None
-    slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the calibration calls"
+    slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the reference calls (one call each)"
     fp32_peak = guard.get("float32_peak_bytes")
     # a reference made with offload means plain float32 ran out of device memory
     if guard.get("reference_config") != baseline() or (fp32_peak and fp32_peak > usable_bytes):
@@ -674,7 +679,8 @@ def tune(
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
             duplicates_in_a_row += 1
             continue
-        dominated_by = memory_dominated(config, summarize(study).records)
+        so_far = summarize(study).records
+        dominated_by = memory_dominated(config, so_far)
         if dominated_by is not None:
             _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
             trial.set_user_attr("dominated_by", dominated_by.number)
@@ -684,7 +690,9 @@ def tune(
         duplicates_in_a_row = 0
 
         trial_dir = req.workdir / f"trial-{trial.number:05d}"
-        request = req.trial_request(config, trial_dir / "output.npy")
+        fastest = min((r.latency_s for r in so_far if r.feasible), default=None)
+        request = req.trial_request(config, trial_dir / "output.npy",
+                                    cut_above_s=CUT_SLOWER_THAN * fastest if fastest else None)
         try:
             result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
         except KeyboardInterrupt:
@@ -806,8 +814,8 @@ def confirm_contenders(
             time.sleep(1.0)
         for record, round_ in slots:
             trial_dir = req.workdir / f"confirm-{record.number:05d}-{round_}"
-            request = {**req.trial_request(record.config, trial_dir / "output.npy"), "confirmation": round_ + 1}
-            request.pop("output_path")  # the trial's output was assessed already
+            # no output kept: the trial's first output was assessed already
+            request = req.trial_request(record.config, confirmation=round_ + 1)
             result = measure(request, trial_dir, lambda: _heartbeat(storage, claim))
             entry = {
                 "latency_s": result.get("latency_s") if result["status"] == worker.OK else None,

@@ -29,6 +29,40 @@ TIMEOUT = "timeout"  # set by the parent
 CRASHED = "crashed"  # set by the parent
 
 
+def trial_request(
+    spec, config: dict, workload, device: str, *, capability=None, warmup: int = 1, max_warmup: int = 5,
+    repeats: int = 3, max_calls: int = 10, spread_limit: float = 0.05, max_timed_s: float | None = None,
+    cut_above_s: float | None = None, threads: int | None = None, compile_cache_dir=None, output_path=None,
+    profile=None, **marks,
+) -> dict:
+    """What the child process of a trial is asked to do (`run` reads it; it travels as JSON): the
+    one place its keys and defaults are written. `spec` is a models.ModelSpec, `workload` a
+    workload.Workload; `output_path` keeps the first image for the quality guard, `profile` makes
+    the child load that profile as production does (`autotune verify`); `cut_above_s`: a warm call
+    slower than this ends the warm-up and stands for the timed calls (the config cannot win; see
+    study.CUT_SLOWER_THAN);
+    `marks` ride along unread (a confirmation's round)."""
+    return {
+        "model": spec.to_dict(),
+        "config": dict(config),
+        "workload": workload.to_dict(),
+        "device": device,
+        "capability": list(capability) if capability else None,
+        "warmup": warmup,
+        "max_warmup": max(max_warmup, warmup),
+        "repeats": repeats,
+        "max_calls": max(max_calls, repeats),
+        "spread_limit": spread_limit,
+        "max_timed_s": max_timed_s,
+        "cut_above_s": cut_above_s,
+        "threads": threads,
+        "compile_cache_dir": str(compile_cache_dir) if compile_cache_dir else None,
+        "output_path": str(Path(output_path).resolve()) if output_path else None,
+        "profile": str(Path(profile).resolve()) if profile else None,
+        **marks,
+    }
+
+
 def classify(exc: BaseException) -> str:
     import torch
 
@@ -46,20 +80,21 @@ def classify(exc: BaseException) -> str:
 
 
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
+    """Measure one trial as `request` (trial_request) asks; the result, failures classified."""
     import numpy as np
     import torch
 
     from . import quality
 
     from .knobs import Target, build_configured
-    from .measure import MemoryTracker, timed_calls, warm_up
+    from .measure import MemoryTracker, summarize, timed_calls, warm_up
     from .models import ModelSpec
     from .workload import Workload
 
-    threads = request.get("threads")
+    threads = request["threads"]
     if threads:
         torch.set_num_threads(int(threads))
-    if request.get("compile_cache_dir"):
+    if request["compile_cache_dir"]:
         # One inductor/FX-graph cache per study: a config compiled once compiles from cache in
         # later trials and in `verify` (read when inductor first compiles, after this point).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = request["compile_cache_dir"]
@@ -68,7 +103,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     workload = Workload.from_dict(request["workload"])
     config = request["config"]
     # the workload: knobs whose effect depends on it (MagCache's steps, VAE tiling's tile size)
-    target = Target(device=device, family=spec.family, capability=request.get("capability"), workload=workload)
+    target = Target(device=device, family=spec.family, capability=request["capability"], workload=workload)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
     tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)
@@ -83,7 +118,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         getattr(diffusers, spec.pipeline_class)
         result["import_s"] = time.perf_counter() - started
         t_start = time.perf_counter()
-        if request.get("profile"):
+        if request["profile"]:
             # `autotune verify`: exactly what production runs.
             from .profile import load_profile
 
@@ -100,15 +135,14 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
 
         phase = "warm-up"
-        warm_times, output = warm_up(
-            call, device, min_calls=int(request.get("warmup", 1)), max_calls=int(request.get("max_warmup", 5))
-        )
+        warm_times, output = warm_up(call, device, min_calls=request["warmup"], max_calls=request["max_warmup"],
+                                     slow_above_s=request["cut_above_s"])
         # The first call pays for compilation and autotuning: the cold start a server sees.
         result["first_call_s"] = warm_times[0]
         result["cold_start_s"] = result["load_s"] + warm_times[0]
         result["warmup_s"] = warm_times
         images = np.asarray(output.images)
-        if request.get("output_path"):
+        if request["output_path"]:
             # Kept for the quality guard, which the parent runs: comparing here would add its
             # imports to this process's peak memory.
             output_path = Path(request["output_path"])
@@ -122,16 +156,24 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
                 "the output image is blank (one value everywhere)"
             return result
         phase = "timed calls"
-        result.update(
-            timed_calls(
-                call,
-                device,
-                min_calls=int(request.get("repeats", 3)),
-                max_calls=int(request.get("max_calls", 10)),
-                spread_limit=float(request.get("spread_limit", 0.05)),
-                max_seconds=request.get("max_timed_s"),
+        bound = request["cut_above_s"]
+        if bound is not None and len(warm_times) >= 2 and warm_times[-1] > bound:
+            # Far slower than the study's best: a precise median would not change the pick, and
+            # on a CPU such a config (float16 there) costs minutes per trial. Its warm call, timed
+            # like the timed calls, is its figure; memory was tracked through both calls.
+            result.update(summarize(warm_times[-1:]))
+            result["cut_short"] = f"its warm call took {warm_times[-1]:.3f} s, over {bound:.3f} s"
+        else:
+            result.update(
+                timed_calls(
+                    call,
+                    device,
+                    min_calls=request["repeats"],
+                    max_calls=request["max_calls"],
+                    spread_limit=request["spread_limit"],
+                    max_seconds=request["max_timed_s"],
+                )
             )
-        )
         result["per_step_s"] = result["latency_s"] / workload.steps
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from autotune import fingerprint, runner
+    from autotune import fingerprint, runner, worker
     from autotune.cli import measurement_defaults
     from autotune.knobs import baseline
     from autotune.models import resolve_model
@@ -66,11 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, changes in CONFIGS.items():
-            request = {
-                "model": spec.to_dict(), "config": {**baseline(), **changes}, "workload": workload.to_dict(),
-                "device": "cuda", "capability": list(torch.cuda.get_device_capability()),
+            request = worker.trial_request(
+                spec, {**baseline(), **changes}, workload, "cuda", capability=torch.cuda.get_device_capability(),
                 **{k: defaults[k] for k in ("repeats", "max_calls", "spread_limit", "warmup")},
-            }
+            )
             started = time.monotonic()
             result = runner.run_trial(request, Path(tmp) / f"{len(rows)}", args.trial_timeout)
             result["trial_wall_s"] = time.monotonic() - started

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from autotune import runner
+from autotune import runner, worker
 from autotune.knobs import baseline
 from autotune.models import resolve_model
 
@@ -55,12 +55,8 @@ def main() -> None:
         for i in range(args.trials):
             for name, changes in configs.items():  # alternate, so drifts of the machine hit both
                 probes.append(machine_probe())
-                request = {
-                    "model": spec.to_dict(), "config": {**baseline(), **changes},
-                    "workload": spec.default_workload.to_dict(), "device": "cpu",
-                    "repeats": args.repeats, "max_calls": 10, "spread_limit": 0.05, "warmup": 1,
-                    "threads": args.threads,
-                }
+                request = worker.trial_request(spec, {**baseline(), **changes}, spec.default_workload, "cpu",
+                                               repeats=args.repeats, threads=args.threads)
                 result = runner.run_trial(request, Path(tmp) / f"{name}-{i}", 900, launcher="fork")
                 assert result["status"] == "ok", result
                 medians[name].append(result["latency_s"])

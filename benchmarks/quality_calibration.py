@@ -13,7 +13,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from autotune import runner
+from autotune import runner, worker
 from autotune.knobs import baseline
 from autotune.models import resolve_model
 from autotune.quality import DEFAULT_MIN_PSNR_DB, assess
@@ -38,16 +38,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             spec = resolve_model(name)
-            base = {"model": spec.to_dict(), "workload": spec.default_workload.to_dict(), "device": "cpu",
-                    "repeats": 1, "max_calls": 1, "warmup": 1, "max_warmup": 1}
+            def one_call(config, output):
+                return worker.trial_request(spec, config, spec.default_workload, "cpu", output_path=output,
+                                            repeats=1, max_calls=1, warmup=1, max_warmup=1)
+
             reference = Path(tmp) / f"{name}-reference.npy"
-            result = runner.run_trial({**base, "config": baseline(), "output_path": str(reference)},
-                                      Path(tmp) / f"{name}-ref", 900, launcher="fork")
+            result = runner.run_trial(one_call(baseline(), reference), Path(tmp) / f"{name}-ref", 900, launcher="fork")
             assert result["status"] == "ok", result
             for label, changes in SETTINGS.items():
                 output = Path(tmp) / f"{name}-{label}.npy"
-                request = {**base, "config": {**baseline(), **changes}, "output_path": str(output)}
-                result = runner.run_trial(request, Path(tmp) / f"{name}-{label}", 900, launcher="fork")
+                result = runner.run_trial(one_call({**baseline(), **changes}, output), Path(tmp) / f"{name}-{label}", 900, launcher="fork")
                 if result["status"] != "ok":
                     print(f"| {name} | {label} | {result['status']} | - | no |")
                     continue

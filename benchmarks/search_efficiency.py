@@ -95,7 +95,7 @@ KEEP = ("status", "latency_s", "peak_memory_bytes", "p90_s", "spread", "calls", 
 
 
 def measure_table(args) -> None:
-    from autotune import runner
+    from autotune import runner, worker
 
     spec = resolve_model(args.model)
     workload = spec.default_workload
@@ -137,12 +137,11 @@ def measure_table(args) -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(todo, 1):
-            request = {
-                "model": spec.to_dict(), "config": config, "workload": workload.to_dict(),
-                "device": args.device, "capability": capability, "repeats": args.repeats,
-                "max_calls": max(args.max_calls, args.repeats), "spread_limit": args.spread,
-                "warmup": args.warmup, "max_warmup": max(args.max_warmup, args.warmup), "threads": args.threads,
-            }
+            request = worker.trial_request(
+                spec, config, workload, args.device, capability=capability, repeats=args.repeats,
+                max_calls=args.max_calls, spread_limit=args.spread, warmup=args.warmup,
+                max_warmup=args.max_warmup, threads=args.threads,
+            )
             result = runner.run_trial(request, Path(tmp) / f"trial-{i:04d}", args.trial_timeout,
                                       launcher=launcher)
             entry = {k: result[k] for k in KEEP if k in result}
@@ -215,9 +214,9 @@ def run_ours(table: Table, budget: int, seed: int, max_trials: int, seeds: list 
     order: list[str] = []
 
     def lookup(request: dict, trial_dir: Path, tick: Callable[[], None]) -> dict:
-        if not trial_dir.name.startswith("trial-"):
+        if request.get("purpose") == "reference":
             # the study's one-call float32 and bfloat16 runs that set the seeds' precision
-            # (study.calibrate_quality): made once per study, not trials
+            # (study.reference_calls): made once per study, not trials
             return table.result(request["config"])
         key = config_key(request["config"])
         assert key not in order, f"tune measured {key} twice"

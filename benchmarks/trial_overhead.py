@@ -14,7 +14,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from autotune import runner
+from autotune import runner, worker
 from autotune.knobs import baseline
 from autotune.models import resolve_model
 
@@ -32,8 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = resolve_model(args.model)
-    request = {"model": spec.to_dict(), "config": baseline(), "workload": spec.default_workload.to_dict(),
-               "device": "cpu", "repeats": args.repeats, "warmup": 1}
+    request = worker.trial_request(spec, baseline(), spec.default_workload, "cpu", repeats=args.repeats)
     rows = {launcher: [] for launcher in runner.LAUNCHERS}
     with tempfile.TemporaryDirectory() as tmp:
         runner.run_trial(request, Path(tmp) / "server-start", 600, launcher="fork")  # not counted

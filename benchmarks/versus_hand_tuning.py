@@ -724,6 +724,8 @@ def why_lost(winner: dict, tuned: dict, space) -> str:
         if m["violations"].get("quality", 0) > 0:
             return (f"the study measured it and its quality guard rejected it (PSNR "
                     f"{(m.get('quality') or {}).get('psnr_db')} dB under the threshold)")
+        if m["violations"].get("failed_again", 0) > 0:
+            return "the study measured it, and one of its confirmations crashed or timed out: a measurement effect"
         if m["violations"].get("memory", 0) > 0:
             return "the study measured it over the budget (peak differs between measurements): a measurement effect"
         return (f"the study measured it at {m['latency_s']:.3f} s (this run: {winner['result']['latency_s']:.3f} s): "

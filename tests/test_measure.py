@@ -37,6 +37,14 @@ def test_warm_up_stops_at_its_cap():
     assert len(times) == 3
 
 
+def test_warm_up_ends_at_the_first_warm_call_over_the_slow_bound():
+    # still warming (0.3 then 0.1 would follow), but the second call is over the bound already
+    times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.2)
+    assert len(times) == 2
+    times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.5)
+    assert len(times) == 4  # under the bound: warmed up until steady
+
+
 def test_timed_calls_stop_once_the_window_agrees():
     result = timed_calls(sleeper([0.05, 0.3, 0.1, 0.1, 0.1]), "cpu", min_calls=3, max_calls=10,
                          spread_limit=0.5)

@@ -258,7 +258,7 @@ def test_a_lower_median_its_trials_do_not_back_keeps_the_default(tmp_path):
     outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
     assert calls[2:] == [(bf16, 1), (base, 1), (bf16, 2), (base, 2)]
     assert outcome.best.baseline and outcome.best.latency_s == 1.00
-    assert outcome.choice_note.startswith(f"kept trial 0 (0 knobs changed, median 1.000 s) over trial 1")
+    assert outcome.choice_note.startswith("kept trial 0 (0 knobs changed, median 1.000 s) over trial 1")
 
 
 def test_a_config_faster_in_every_trial_beats_the_default(tmp_path):
@@ -293,6 +293,42 @@ def test_a_confirmation_over_the_budget_makes_the_config_infeasible(tmp_path):
     assert outcome.best.config["dtype"] == "bfloat16"
     float32 = next(r for r in outcome.records if r.config["dtype"] == "float32")
     assert not float32.feasible and float32.peak_memory_bytes == 1200 * MiB
+
+
+def test_a_confirmation_that_crashed_makes_the_config_infeasible_but_not_out_of_memory(tmp_path):
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        if req["config"]["dtype"] == "bfloat16" and req.get("confirmation"):
+            return {"status": "crashed", "signal": "SIGSEGV", "peak_memory_bytes": 400 * MiB}
+        return {"status": "ok", "latency_s": 0.9 if req["config"]["dtype"] == "bfloat16" else 1.0,
+                "peak_memory_bytes": 500 * MiB}
+
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=1), measure=measure)
+    bf16 = next(r for r in outcome.records if r.config["dtype"] == "bfloat16")
+    assert not bf16.feasible and bf16.violations["failed_again"] > 0
+    assert bf16.violations["memory"] <= 0 and not study.ran_out_of_memory(bf16)  # no memory dominance from a crash
+    assert outcome.best.baseline
+
+
+def test_trials_are_told_the_latency_above_which_one_timed_call_is_enough(tmp_path):
+    """Twice the fastest feasible latency so far: no bound for the baseline, then 2x its latency
+    (float16 crashed: no latency to bound with)."""
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))],
+                        seeds=[{"dtype": "float16"}, {"dtype": "bfloat16"}])
+    bounds = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        if req.get("purpose") != "reference":  # not the float32 and bfloat16 calls timing the precisions
+            bounds.append((req["config"]["dtype"], req["cut_above_s"]))
+        if req["config"]["dtype"] == "float16":
+            return {"status": "crashed", "signal": "SIGSEGV"}
+        return {"status": "ok", "latency_s": {"float32": 1.0, "bfloat16": 0.5}[req["config"]["dtype"]],
+                "peak_memory_bytes": 500 * MiB}
+
+    study.tune(request(space, tmp_path, trials=3), measure=measure)
+    assert bounds == [("float32", None), ("float16", 2.0), ("bfloat16", 2.0)]
+    assert study.CUT_SLOWER_THAN > 1 + study.CONTENDER_WITHIN  # a cut trial is never a contender
 
 
 def test_a_claim_left_by_a_killed_confirmer_is_taken_over(tmp_path, monkeypatch):

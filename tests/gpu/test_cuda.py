@@ -61,8 +61,7 @@ def test_compile_on_cuda_runs():
 
 def test_a_cuda_trial_reports_driver_level_memory(tmp_path):
     spec = resolve_model("tiny-sdxl")
-    request = {"model": spec.to_dict(), "config": {"dtype": "bfloat16"}, "workload": spec.default_workload.to_dict(),
-               "device": "cuda", "repeats": 3, "warmup": 1}
+    request = worker.trial_request(spec, {"dtype": "bfloat16"}, spec.default_workload, "cuda")
     result = runner.run_trial(request, tmp_path / "t", timeout_s=600)
     assert result["status"] == worker.OK, result.get("error")
     assert result["memory_source"].startswith("nvml")
