@@ -227,6 +227,8 @@ def print_profile(out: Console, profile) -> None:
               f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
               + (f", {speed:.2f}x the baseline" if speed else "")
               + escape(f"  [{config_changes(best['config'])}]"))
+    if (d.get("study") or {}).get("choice"):
+        out.print(escape(f"  choice: {d['study']['choice']}"))
     table = Table(title="feasible Pareto front")
     for col in ("trial", "latency", "peak memory", "configuration"):
         table.add_column(col)
