@@ -117,7 +117,7 @@ class TrialProgress:
                 v = record.violations
                 what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
             if r.get("cut_short"):
-                what += " (cut short: over 2x the best, one warm call)"
+                what += " (cut short: far slower than the best, 2 warm calls)"
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))

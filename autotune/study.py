@@ -540,11 +540,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
     return study
 
 
-# A trial whose warm call is this much slower than the fastest feasible trial so far stops there,
-# that call its figure (worker.trial_request's cut_above_s): it cannot be a
+# A trial whose warm calls (two in a row) are this much slower than the fastest feasible trial so
+# far stops there, their median its figure (worker.trial_request's cut_above_s): it cannot be a
 # contender (those are within 1 + CONTENDER_WITHIN of the fastest), and a precise median of a
 # config that slow would cost minutes per trial for nothing (float16 on a CPU, sequential offload).
-# Its memory is measured in full, so it still counts for the Pareto front. Optuna's pruners do
+# Its peak memory is tracked through its calls, so it still counts for the Pareto front. Optuna's pruners do
 # this for trials that report intermediate values; a trial here reports once, from its child.
 CUT_SLOWER_THAN = 2.0
 
@@ -797,40 +797,57 @@ def confirm_contenders(
     each config's median over its trials, not on the lowest single measurement, which among many
     noisy ones is biased low (on this project's CPU machines a single fast measurement of a
     float32 config beat the default by 19%; measured again, it was 4% slower). Kept in the study,
-    so an interrupted confirmation resumes where it stopped. In a shared study one worker at a
-    time confirms (`_claim_confirmation`); the others wait for it, so that every worker reports
-    the same pick and no two confirmations run at once."""
+    so an interrupted confirmation resumes where it stopped. In a shared study it starts once no
+    other worker's trial is running, and one worker at a time confirms (`_claim_confirmation`);
+    the others wait, so that every worker reports the same pick and no two confirmations run at
+    once."""
+    while True:
+        _fail_stale_trials(study)  # a worker that died frees its trial or its claim
+        if not _unconfirmed(study, req.confirm_rounds):
+            return
+        claim = None if _in_flight(study) else _claim_confirmation(study)
+        if claim is None:
+            time.sleep(1.0)  # another worker's trial or confirmation is running
+            continue
+        try:
+            _confirm_while_held(req, study, measure, claim, on_confirm)
+        finally:
+            # not a measurement: samplers ignore failed trials; another worker may have failed it
+            # as stale already (a paused process), which only means it was given up
+            study.tell(claim, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def _confirm_while_held(req, study, measure, claim, on_confirm) -> None:
+    """Measure the next unconfirmed (contender, round) until none is left or the claim was lost.
+    The list is read again after each: a contender that a confirmation made infeasible drops out,
+    and the next one comes in, as on a resumed run."""
     storage = study._storage
-    claim = None
-    try:
-        while True:
-            _fail_stale_trials(study)  # a confirming worker that died frees the claim
-            slots = _unconfirmed(study, req.confirm_rounds)
-            if not slots:
-                return
-            claim = claim or _claim_confirmation(study)
-            if claim is not None:
-                break
-            time.sleep(1.0)
-        for record, round_ in slots:
-            trial_dir = req.workdir / f"confirm-{record.number:05d}-{round_}"
-            # no output kept: the trial's first output was assessed already
-            request = req.trial_request(record.config, confirmation=round_ + 1)
-            result = measure(request, trial_dir, lambda: _heartbeat(storage, claim))
-            entry = {
-                "latency_s": result.get("latency_s") if result["status"] == worker.OK else None,
-                "peak_memory_bytes": result.get("peak_memory_bytes"),
-                "status": result["status"],
-                "violation": violation(result, req.budget_bytes, req.margin_bytes),
-            }
-            confirmed = study.user_attrs.get(CONFIRMATIONS, {})
-            confirmed.setdefault(str(record.number), []).append(entry)
-            study.set_user_attr(CONFIRMATIONS, confirmed)
-            if on_confirm:
-                on_confirm(record, entry)
-    finally:
-        if claim is not None:
-            study.tell(claim, state=TrialState.FAIL)  # not a measurement: samplers ignore failed trials
+    lost = []
+
+    def tick() -> None:
+        try:
+            _heartbeat(storage, claim)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            lost.append(True)  # failed as stale by another worker: it confirms now
+
+    while not lost and (slots := _unconfirmed(study, req.confirm_rounds)):
+        record, round_ = slots[0]
+        trial_dir = req.workdir / f"confirm-{record.number:05d}-{round_}"
+        # no output kept: the trial's first output was assessed already
+        result = measure(req.trial_request(record.config, confirmation=round_ + 1), trial_dir, tick)
+        if lost or study._storage.get_trial(claim._trial_id).state != TrialState.RUNNING:
+            return  # the claim went to another worker, who measures this round again
+        entry = {
+            "latency_s": result.get("latency_s") if result["status"] == worker.OK else None,
+            "peak_memory_bytes": result.get("peak_memory_bytes"),
+            "status": result["status"],
+            "violation": violation(result, req.budget_bytes, req.margin_bytes),
+        }
+        confirmed = study.user_attrs.get(CONFIRMATIONS, {})
+        confirmed.setdefault(str(record.number), []).append(entry)
+        study.set_user_attr(CONFIRMATIONS, confirmed)
+        if on_confirm:
+            on_confirm(record, entry)
 
 
 def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, int]]:
@@ -853,18 +870,22 @@ def _confirmers(study: optuna.Study) -> list[int]:
 
 def _claim_confirmation(study: optuna.Study) -> optuna.Trial | None:
     """A running trial that says this worker confirms now, or None when another worker holds
-    one. Optuna storages have no lock, but they number new trials atomically: each claimant
-    writes its claim before it looks, so of two racing claims the later-numbered one sees the
-    other and withdraws. The claim carries no config and keeps heartbeats like a trial; a worker
-    killed while confirming leaves it stale, and the next worker to look fails it and goes on."""
+    one. Optuna storages have no lock, but they create a trial, its number and its attributes
+    in one write: of two racing claims the later-numbered one sees the other and withdraws. The
+    claim carries no config and keeps heartbeats like a trial; a worker killed while confirming
+    leaves it stale, and the next worker to look fails it and goes on."""
     if _confirmers(study):
         return None
     storage = study._storage
-    trial = optuna.Trial(study, storage.create_new_trial(study._study_id))
-    # A full retry history: the stale-trial callback must not queue a claim again as a trial.
-    storage.set_trial_system_attr(trial._trial_id, "retry_history", [trial.number] * (MAX_RETRIES + 1))
-    trial.set_user_attr(CONFIRMER, WORKER)
-    _heartbeat(storage, trial)
+    template = optuna.trial.create_trial(
+        state=TrialState.RUNNING,
+        # the journal's heartbeat is an attribute: written with the claim, never missing
+        user_attrs={CONFIRMER: WORKER, "heartbeat_at": time.time()},
+        # A full retry history: the stale-trial callback must not queue a claim again as a trial.
+        system_attrs={"retry_history": [-1] * (MAX_RETRIES + 1)},
+    )
+    trial = optuna.Trial(study, storage.create_new_trial(study._study_id, template_trial=template))
+    _heartbeat(storage, trial)  # RDB storages: their own heartbeat table
     if _confirmers(study)[0] != trial.number:
         study.tell(trial, state=TrialState.FAIL)
         return None

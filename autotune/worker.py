@@ -38,10 +38,9 @@ def trial_request(
     """What the child process of a trial is asked to do (`run` reads it; it travels as JSON): the
     one place its keys and defaults are written. `spec` is a models.ModelSpec, `workload` a
     workload.Workload; `output_path` keeps the first image for the quality guard, `profile` makes
-    the child load that profile as production does (`autotune verify`); `cut_above_s`: a warm call
-    slower than this ends the warm-up and stands for the timed calls (the config cannot win; see
-    study.CUT_SLOWER_THAN);
-    `marks` ride along unread (a confirmation's round)."""
+    the child load that profile as production does (`autotune verify`); `cut_above_s`: two warm
+    calls in a row slower than this end the warm-up and stand for the timed calls (the config
+    cannot win; see study.CUT_SLOWER_THAN); `marks` ride along unread (a confirmation's round)."""
     return {
         "model": spec.to_dict(),
         "config": dict(config),
@@ -87,7 +86,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     from . import quality
 
     from .knobs import Target, build_configured
-    from .measure import MemoryTracker, summarize, timed_calls, warm_up
+    from .measure import MemoryTracker, summarize, timed_calls, too_slow, warm_up
     from .models import ModelSpec
     from .workload import Workload
 
@@ -157,12 +156,14 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return result
         phase = "timed calls"
         bound = request["cut_above_s"]
-        if bound is not None and len(warm_times) >= 2 and warm_times[-1] > bound:
+        if too_slow(warm_times, bound):
             # Far slower than the study's best: a precise median would not change the pick, and
-            # on a CPU such a config (float16 there) costs minutes per trial. Its warm call, timed
-            # like the timed calls, is its figure; memory was tracked through both calls.
-            result.update(summarize(warm_times[-1:]))
-            result["cut_short"] = f"its warm call took {warm_times[-1]:.3f} s, over {bound:.3f} s"
+            # on a CPU such a config (float16 there) costs minutes per trial. Its last two warm
+            # calls, timed like the timed calls, are its figure; memory was tracked through all.
+            result.update(summarize(warm_times[-2:]))
+            result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "
+                                   f"over {bound:.3f} s")
+            result["cut_above_s"] = bound
         else:
             result.update(
                 timed_calls(

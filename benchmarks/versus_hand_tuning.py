@@ -247,7 +247,9 @@ def resolve(contestant: Contestant, target, skip: dict | None = None) -> Contest
 # ---- measuring -------------------------------------------------------------------------------------
 def key_of(request: dict) -> str:
     """What makes two measurements the same: everything but where the output goes."""
-    return json.dumps({k: v for k, v in request.items() if k != "output_path"}, sort_keys=True)
+    # cut_above_s depends on the study's progress: a stored result serves any bound it would
+    # have met (Measurements.__call__)
+    return json.dumps({k: v for k, v in request.items() if k not in ("output_path", "cut_above_s")}, sort_keys=True)
 
 
 class Measurements:
@@ -267,7 +269,11 @@ class Measurements:
 
     def __call__(self, request: dict, trial_dir: Path, tick) -> dict:
         key = key_of(request)
-        if not (self.reuse and key in self.results):
+        stored = self.results.get(key) if self.reuse else None
+        bound = request.get("cut_above_s")
+        if stored and stored.get("cut_short") and not (bound is not None and stored["latency_s"] > bound):
+            stored = None  # measured roughly, as far slower than a best this request does not have
+        if stored is None:
             return self._measure(request, trial_dir, tick, key)
         self.reused += 1
         result = copy.deepcopy(self.results[key])

@@ -37,10 +37,13 @@ def test_warm_up_stops_at_its_cap():
     assert len(times) == 3
 
 
-def test_warm_up_ends_at_the_first_warm_call_over_the_slow_bound():
-    # still warming (0.3 then 0.1 would follow), but the second call is over the bound already
+def test_warm_up_ends_after_two_warm_calls_over_the_slow_bound():
+    # unsteady (0.3, 0.5, 0.3, ...), but its second and third calls are both over the bound
+    times, _ = warm_up(sleeper([0.8, 0.3, 0.5, 0.3, 0.5, 0.3]), "cpu", max_calls=6, steady=0.1, slow_above_s=0.2)
+    assert len(times) == 3
+    # one slow warm call (a CUDA graph recorded in the second call) is not enough
     times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.2)
-    assert len(times) == 2
+    assert len(times) == 4
     times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.5)
     assert len(times) == 4  # under the bound: warmed up until steady
 

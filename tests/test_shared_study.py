@@ -83,6 +83,9 @@ def two_workers_share(tmp_path, url, extra):
     # once by each worker
     confirmed = study.user_attrs.get("confirmations", {})
     assert all(len(entries) == 2 for entries in confirmed.values()), confirmed
+    claims = [t for t in study.trials if "confirmer" in t.user_attrs]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in claims)  # released, none left running
+    assert bool(claims) == bool(confirmed)
 
     profile = yaml.safe_load((tmp_path / "shared.yaml").read_text())  # one profile, of all trials
     assert profile["study"]["trials"] == len(trials)

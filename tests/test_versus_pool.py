@@ -1,0 +1,39 @@
+"""versus_hand_tuning's pool of measurements: a result measured once serves every request for the
+same trial, but a trial cut short (as far slower than its study's best) serves only a request
+that would have been cut too."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from autotune import worker
+from autotune.knobs import baseline
+from autotune.models import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("versus_hand_tuning", ROOT / "benchmarks" / "versus_hand_tuning.py")
+vht = importlib.util.module_from_spec(_spec)
+sys.modules["versus_hand_tuning"] = vht
+_spec.loader.exec_module(vht)
+
+
+def test_a_cut_short_result_serves_only_requests_it_would_have_been_cut_for(tmp_path):
+    spec = resolve_model("tiny-sd15")
+    pool = vht.Measurements(tmp_path, trial_timeout_s=60, launcher="fork")
+    measured = []
+    # Stands in for runner.run_trial (tested with real child processes in test_runner): this test
+    # is about which stored result the pool hands out.
+    pool._measure = lambda request, trial_dir, tick, key: measured.append(request["cut_above_s"]) or {}
+
+    def ask(bound):
+        request = worker.trial_request(spec, baseline(), spec.default_workload, "cpu", cut_above_s=bound)
+        return pool(request, tmp_path / "t", None)
+
+    pool.results[vht.key_of(worker.trial_request(spec, baseline(), spec.default_workload, "cpu"))] = {
+        "status": "ok", "latency_s": 3.0, "cut_short": "its warm calls took 3.0 and 3.0 s, over 2.0 s"}
+    assert ask(2.5)["reused"] and not measured  # 3.0 s would be cut at 2.5 s as well
+    ask(4.0)  # not at 4.0 s: measured
+    ask(None)  # nor without a bound
+    assert measured == [4.0, None]
