@@ -176,18 +176,24 @@ def timed_call(fn, device: str):
     return time.perf_counter() - start, result
 
 
-def too_slow(times: list[float], bound: float | None) -> bool:
-    """The last two calls, neither of them the first (the cold one), both took over `bound`."""
-    return bound is not None and len(times) >= 3 and min(times[-2:]) > bound
+STEADY = 0.10  # two calls in a row within this of each other: warmed up
 
 
-def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = 0.10,
+def too_slow(times: list[float], bound: float | None, steady: float = STEADY) -> bool:
+    """The last two calls both took over `bound`, and both were warm: not the first (the cold
+    one), unless the first two agree within `steady` (nothing was compiled or recorded)."""
+    if bound is None or len(times) < 2 or min(times[-2:]) <= bound:
+        return False
+    return len(times) >= 3 or abs(times[1] - times[0]) <= steady * times[0]
+
+
+def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = STEADY,
             slow_above_s: float | None = None):
     """Call until two calls in a row take times within `steady` of each other (compilation,
     cuDNN autotuning and allocator growth happen in the first calls), at least `min_calls` and at
-    most `max_calls` times, or until two calls in a row after the first take over `slow_above_s`
-    (too slow to be worth a steady figure; one slow warm call is not enough: CUDA graphs are
-    recorded in the second call). Returns (seconds of each call, output of the first call)."""
+    most `max_calls` times, or until two warm calls in a row take over `slow_above_s` (too slow
+    to be worth a steady figure; `too_slow`). Returns (seconds of each call, output of the first
+    call)."""
     times: list[float] = []
     first_output = None
     while len(times) < max(1, max_calls):
@@ -197,7 +203,7 @@ def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: f
         times.append(seconds)
         if len(times) >= max(2, min_calls) and abs(times[-1] - times[-2]) <= steady * times[-2]:
             break
-        if too_slow(times, slow_above_s) and len(times) >= min_calls:
+        if too_slow(times, slow_above_s, steady) and len(times) >= min_calls:
             break
     return times, first_output
 

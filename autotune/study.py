@@ -540,7 +540,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
     return study
 
 
-# A trial whose warm calls (two in a row) are this much slower than the fastest feasible trial so
+# A trial whose last two warm calls (measure.too_slow) are this much slower than the fastest feasible trial so
 # far stops there, their median its figure (worker.trial_request's cut_above_s): it cannot be a
 # contender (those are within 1 + CONTENDER_WITHIN of the fastest), and a precise median of a
 # config that slow would cost minutes per trial for nothing (float16 on a CPU, sequential offload).

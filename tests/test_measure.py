@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from autotune.measure import summarize, timed_calls, warm_up
+from autotune.measure import summarize, timed_calls, too_slow, warm_up
 
 
 def sleeper(durations):
@@ -41,11 +41,19 @@ def test_warm_up_ends_after_two_warm_calls_over_the_slow_bound():
     # unsteady (0.3, 0.5, 0.3, ...), but its second and third calls are both over the bound
     times, _ = warm_up(sleeper([0.8, 0.3, 0.5, 0.3, 0.5, 0.3]), "cpu", max_calls=6, steady=0.1, slow_above_s=0.2)
     assert len(times) == 3
+    assert too_slow(times, 0.2, steady=0.1)
     # one slow warm call (a CUDA graph recorded in the second call) is not enough
     times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.2)
-    assert len(times) == 4
+    assert len(times) == 4 and not too_slow(times, 0.2, steady=0.5)
     times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.5)
     assert len(times) == 4  # under the bound: warmed up until steady
+
+
+def test_two_slow_calls_that_agree_from_the_start_are_warm_already():
+    # nothing compiled (float16 on a CPU): the first two calls agree, and both count as warm
+    assert too_slow([0.50, 0.52], 0.2)
+    assert not too_slow([0.90, 0.50], 0.2)  # a cold first call: the second alone is not enough
+    assert too_slow([0.90, 0.50, 0.52], 0.2) and not too_slow([0.50, 0.52], None)
 
 
 def test_timed_calls_stop_once_the_window_agrees():
