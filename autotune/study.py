@@ -574,10 +574,13 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
     return space.fit([{**s, "dtype": "float32"} if s.get("dtype") == "bfloat16" else s for s in seeds]), note
 
 
-def _in_flight(study: optuna.Study) -> dict[str, int]:
-    """Configs other workers are measuring now: config key -> lowest trial number."""
+def _in_flight(study: optuna.Study, besides: int | None = None) -> dict[str, int]:
+    """Configs being measured now, by trials other than number `besides`: config key -> lowest
+    trial number."""
     out: dict[str, int] = {}
     for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if frozen.number == besides:
+            continue
         key = frozen.user_attrs.get("config_key")
         if key and "duplicate_of_running" not in frozen.user_attrs:
             out[key] = min(out.get(key, frozen.number), frozen.number)
@@ -672,9 +675,11 @@ def tune(
             duplicates_in_a_row += 1
             continue
         # Another worker may have drawn the same config a moment ago. Each writes its key before
-        # it looks (above), so of two racing trials the later-numbered one always sees the other.
-        twin = _in_flight(study).get(key)
-        if twin is not None and twin < trial.number:
+        # it looks (above), so of two racing trials the one that wrote later sees the other, and
+        # steps back; its number says nothing about when it wrote. When both wrote before either
+        # looked, both step back, and the config is proposed again later.
+        twin = _in_flight(study, besides=trial.number).get(key)
+        if twin is not None:
             trial.set_user_attr("duplicate_of_running", twin)
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
             duplicates_in_a_row += 1

@@ -1,5 +1,6 @@
 """The study loop itself, on a made-up measurement (no pipelines): seeds first, early stop."""
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -356,3 +357,35 @@ def test_a_claim_left_by_a_killed_confirmer_is_taken_over(tmp_path, monkeypatch)
     claims = [t for t in trials if study.CONFIRMER in t.user_attrs]
     assert [t.state for t in claims] == [TrialState.FAIL, TrialState.FAIL]  # the dead one, then this worker's
     assert not [t for t in trials if t.state == TrialState.WAITING]  # no claim queued again as a trial
+
+
+def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(tmp_path, monkeypatch):
+    """Two workers draw the same config; the one with the higher trial number writes its key
+    first, so the lower-numbered one is the one that sees the other: it must step back, or both
+    measure the config."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.space import config_key
+
+    monkeypatch.setattr(study, "GRACE_S", 1.0)  # the twin's worker then dies: its trial goes stale
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    bf16 = config_key({**baseline(), "dtype": "bfloat16"})
+    heartbeat = study._heartbeat
+    twins = []
+
+    def heartbeat_then_twin(storage_, trial):
+        heartbeat(storage_, trial)
+        if trial.number == 1 and not twins:  # right after this worker asked for trial 1
+            template = optuna.trial.create_trial(
+                state=TrialState.RUNNING, user_attrs={"config_key": bf16, "heartbeat_at": time.time()},
+                system_attrs={"retry_history": [-1] * (study.MAX_RETRIES + 1)})
+            twins.append(storage_.create_new_trial(trial.study._study_id, template_trial=template))
+
+    monkeypatch.setattr(study, "_heartbeat", heartbeat_then_twin)
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
+    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    assert trials[1].user_attrs.get("duplicate_of_running") == 2 and trials[1].state == TrialState.FAIL
+    assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # measured once, after the twin died
