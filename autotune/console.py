@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .knobs import CATALOGUE, baseline
+from .knobs import CATALOGUE, changed
 from .sizes import format_size
 
 
@@ -18,9 +18,7 @@ def terminal() -> Console:
 
 def config_changes(config: dict) -> str:
     """The knobs a config sets away from the baseline, as `name=value` pairs."""
-    base = baseline()
-    changed = [f"{k}={v}" for k, v in config.items() if base.get(k) != v]
-    return ", ".join(changed) or "baseline (float32, nothing enabled)"
+    return ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "baseline (float32, nothing enabled)"
 
 
 def _when_text(when: dict) -> str:

@@ -33,7 +33,7 @@ from optuna.trial import TrialState
 
 from . import quality, runner, worker
 from .errors import AutotuneError
-from .knobs import CATALOGUE, Config, Target, baseline
+from .knobs import CATALOGUE, Config, Target, baseline, changed
 from .models import ModelSpec
 from .sizes import parse_margin
 from .space import SearchSpace, config_key
@@ -760,8 +760,7 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
 
 def changes(config: Config) -> int:
     """How many knobs a config sets away from the default pipeline."""
-    base = baseline()
-    return sum(base.get(k) != v for k, v in config.items())
+    return len(changed(config))
 
 
 def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | None]:

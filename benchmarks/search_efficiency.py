@@ -48,7 +48,7 @@ import optuna
 
 from autotune import study as study_mod
 from autotune.fingerprint import machine, software
-from autotune.knobs import Target, baseline, complete
+from autotune.knobs import Target, changed, complete
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
 from autotune.workload import Workload
@@ -158,8 +158,7 @@ def measure_table(args) -> None:
 
 
 def _short(config: dict) -> str:
-    base = baseline()
-    return " ".join(f"{k}={v}" for k, v in config.items() if v != base[k]) or "baseline"
+    return " ".join(f"{k}={v}" for k, v in changed(config).items()) or "baseline"
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -710,13 +710,11 @@ def settle(summary: list[dict]) -> None:
 
 
 def why_lost(winner: dict, tuned: dict, space) -> str:
-    from autotune.knobs import baseline
+    from autotune.knobs import changed
     from autotune.space import config_key
 
     config = winner["config"]
-    base = baseline()
-    searched = {d.name: d.choices for d in space.dimensions}
-    outside = [f"{k}={v}" for k, v in config.items() if v != base.get(k) and v not in searched.get(k, ())]
+    outside = [f"{k}={v}" for k, v in changed(config).items() if v not in space.choices_of(k)]
     if outside:
         return f"a knob missing from the space: {', '.join(outside)} is not searched here"
     forbidden = space.forbidden(space.normalize(config))

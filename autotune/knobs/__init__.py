@@ -139,6 +139,12 @@ def baseline() -> Config:
     return {k.name: k.default for k in APPLY_ORDER}
 
 
+def changed(config: Config) -> Config:
+    """The knobs a config sets away from the default pipeline, and their values."""
+    base = baseline()
+    return {k: v for k, v in config.items() if base.get(k) != v}
+
+
 def complete(config: Config) -> Config:
     """Every catalogue knob, in apply order, with defaults for those the config leaves out."""
     unknown = sorted(set(config) - set(CATALOGUE))
