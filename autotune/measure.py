@@ -214,21 +214,18 @@ def timed_calls(
     min_calls: int = 3,
     max_calls: int = 10,
     spread_limit: float = 0.05,
-    max_seconds: float | None = None,
 ) -> dict:
     """Timed calls until the median is stable: the last `min_calls` calls lie within
-    `spread_limit` of their median, or `max_calls` / `max_seconds` is reached."""
+    `spread_limit` of their median, or `max_calls` is reached."""
     latencies: list[float] = []
     window = max(1, min_calls)
-    started = time.perf_counter()
     while True:
         latencies.append(timed_call(call, device)[0])
         if len(latencies) < window:
             continue
         recent = summarize(latencies[-window:])
         stable = recent["spread"] <= spread_limit
-        out_of_time = max_seconds is not None and time.perf_counter() - started >= max_seconds
-        if stable or len(latencies) >= max_calls or out_of_time:
+        if stable or len(latencies) >= max_calls:
             break
     result = summarize(latencies)
     result["window_spread"] = recent["spread"]

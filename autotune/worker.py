@@ -31,9 +31,8 @@ CRASHED = "crashed"  # set by the parent
 
 def trial_request(
     spec, config: dict, workload, device: str, *, capability=None, warmup: int = 1, max_warmup: int = 5,
-    repeats: int = 3, max_calls: int = 10, spread_limit: float = 0.05, max_timed_s: float | None = None,
-    cut_above_s: float | None = None, threads: int | None = None, compile_cache_dir=None, output_path=None,
-    profile=None, **marks,
+    repeats: int = 3, max_calls: int = 10, spread_limit: float = 0.05, cut_above_s: float | None = None,
+    threads: int | None = None, compile_cache_dir=None, output_path=None, profile=None, **marks,
 ) -> dict:
     """What the child process of a trial is asked to do (`run` reads it; it travels as JSON): the
     one place its keys and defaults are written. `spec` is a models.ModelSpec, `workload` a
@@ -52,7 +51,6 @@ def trial_request(
         "repeats": repeats,
         "max_calls": max(max_calls, repeats),
         "spread_limit": spread_limit,
-        "max_timed_s": max_timed_s,
         "cut_above_s": cut_above_s,
         "threads": threads,
         "compile_cache_dir": str(compile_cache_dir) if compile_cache_dir else None,
@@ -172,7 +170,6 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
                     min_calls=request["repeats"],
                     max_calls=request["max_calls"],
                     spread_limit=request["spread_limit"],
-                    max_seconds=request["max_timed_s"],
                 )
             )
         result["per_step_s"] = result["latency_s"] / workload.steps
