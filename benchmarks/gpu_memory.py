@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.knobs import baseline
     from autotune.models import resolve_model
     from autotune.sizes import format_size, parse_margin, parse_size
+    from autotune.study import violation
     from autotune.workload import Workload
 
     if not fingerprint.cuda_available():
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in rows:
         peak, reserved = r.get("peak_memory_bytes"), r.get("torch_peak_reserved_bytes")
-        fits = bool(peak) and peak + margin_bytes <= budget
+        fits = violation(r, budget, margin_bytes) <= 0  # as the study judges a trial
         headroom = budget - peak if peak else None
         latency = r.get("latency_s")
         lines.append(

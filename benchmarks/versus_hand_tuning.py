@@ -313,10 +313,12 @@ class Measurements:
 
 
 # ---- budgets ---------------------------------------------------------------------------------------
-def fits(peak: int | None, budget: int) -> bool:
+def fits(result: dict, budget: int) -> bool:
+    """Whether a measurement fits `budget` as autotune judges its own trials (study.violation)."""
     from autotune.sizes import parse_margin
+    from autotune.study import violation
 
-    return bool(peak) and peak + parse_margin(MARGIN, budget) <= budget
+    return violation(result, budget, parse_margin(MARGIN, budget)) <= 0
 
 
 def _round_up(size: float, step: int) -> int:
@@ -628,7 +630,7 @@ def compare(rows: list[dict], tuned: list[dict], space, guard_db: float | None) 
     out = []
     for t in tuned:
         budget = t["budget_bytes"]
-        fitting = [r for r in rows if r["result"]["status"] == "ok" and fits(r["result"]["peak_memory_bytes"], budget)]
+        fitting = [r for r in rows if fits(r["result"], budget)]
         fastest = lambda rs: min(rs, key=lambda r: r["result"]["latency_s"], default=None)  # noqa: E731
         best_hand = fastest([r for r in fitting if passes_guard(r, guard_db)])
         best_any = fastest(fitting)
@@ -792,7 +794,7 @@ def markdown(doc: dict) -> str:
         res = r["result"]
         ok = res["status"] == "ok"
         q = (r.get("quality") or {}).get("psnr_db")
-        marks = " | ".join(("fits" if fits(res.get("peak_memory_bytes"), b) else "no") if ok else "-" for b in budgets)
+        marks = " | ".join(("fits" if fits(res, b) else "no") if ok else "-" for b in budgets)
         same = f" (= {r['same_as']})" if r["same_as"] else ""
         lines.append(f"| {r['name']}{same} | {r['changed']} | {res['status']} | {_s(res.get('latency_s'))} | "
                      f"{_s(res.get('first_call_s'))} | {_size(res.get('peak_memory_bytes'))} | "
@@ -860,7 +862,7 @@ def chart(doc: dict, path: Path) -> None:
         budget = t["budget_bytes"]
         for r in ok:
             res = r["result"]
-            fit = fits(res["peak_memory_bytes"], budget)
+            fit = fits(res, budget)
             ax.scatter(res["peak_memory_bytes"] / GiB, res["latency_s"], marker=markers[r["kind"]], s=60,
                        facecolors="C0" if fit else "none", edgecolors="C0")
             ax.annotate(r["name"], (res["peak_memory_bytes"] / GiB, res["latency_s"]), fontsize=7,
