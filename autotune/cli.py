@@ -143,9 +143,10 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--patience", type=_positive_int, metavar="N",
                    help="stop early when the best has not improved by 1%% in N measured trials")
     s.add_argument("--confirm", type=_rounds, default=2, metavar="ROUNDS",
-                   help="once the search stops, measure the fastest feasible configs (up to 3) again "
-                   "this many times each, in alternation, and keep the lowest median over each "
-                   "config's trials (default 2; 0: keep the lowest single measurement)")
+                   help="once the search stops, measure the fastest feasible configs (up to 3, and the "
+                   "baseline if it is close) again this many times each, in alternation; the pick is "
+                   "the lowest median, or a config with fewer changes whose median is within the "
+                   "fastest's spread (default 2; 0: keep the lowest single measurement)")
     s.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
                    help="kill a trial after this long (default 1200)")
     s.add_argument("--repeats", type=_positive_int, default=3,

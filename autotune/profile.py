@@ -55,7 +55,7 @@ def _point(record, budget_bytes: int) -> dict:
         "cold_start_s": r.get("cold_start_s"),
         "per_step_s": r.get("per_step_s"),
         "spread": r.get("spread"),
-        "cut_short": r.get("cut_short"),  # one timed call: far slower than the best when measured
+        "cut_short": r.get("cut_short"),  # timed from its warm-up: far slower than the best then
         "quality": r.get("quality"),  # PSNR / SSIM against the study's float32 reference
         "image": r.get("image"),
     }
