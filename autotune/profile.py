@@ -184,7 +184,8 @@ class Profile:
                       workload=self.workload)
 
     def apply(self, pipe, device: str | None = None, budget_bytes: int | None = None):
-        """Put a loaded pipeline into the measured state (the same code the trials ran)."""
+        """Put a loaded pipeline into the measured state (the same code the trials ran). Load it
+        on the CPU: the configuration moves it to the device at the point the trial did."""
         config = complete(self.choose(budget_bytes)["config"])
         return apply_config(pipe, config, self._target(device))
 

@@ -339,6 +339,49 @@ def test_offload_kinds_exclude_each_other_and_keep_the_pipeline_off_the_gpu():
     assert not places_on_device({"placement": "balanced"})
 
 
+def test_configs_that_shrink_weights_are_built_on_the_host_for_a_gpu():
+    from autotune.knobs import build_device
+
+    assert build_device({"dtype": "bfloat16"}, cuda("sdxl")) == "cuda"
+    for shrinks in ({"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
+                    {"layerwise_casting": "fp8-e4m3"}, {"offload": "model"}):
+        assert build_device({"dtype": "bfloat16", **shrinks}, cuda("sdxl")) == "cpu", shrinks
+
+
+def _rewritten(pipe) -> bool:
+    linears = [m.weight for m in [*pipe.unet.modules(), *pipe.text_encoder.modules()]
+               if isinstance(m, torch.nn.Linear)]
+    return any(type(w).__module__.startswith("torchao") or w.dtype == torch.float8_e4m3fn for w in linears)
+
+
+@pytest.mark.parametrize("config", [{"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
+                                    {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"}])
+def test_the_pipeline_moves_to_the_device_once_its_weights_are_rewritten(config):
+    # On a GPU the move is what puts weights in device memory: made before quantization, the
+    # full-precision weights would set the trial's peak. Here the CPU is the target, and the
+    # pipeline's own `to` is wrapped to record the weights' state at each move.
+    from autotune.models import build_pipeline
+
+    pipe = build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16 if "dtype" in config else torch.float32)
+    moves, move = [], pipe.to
+
+    def recording_to(*args, **kwargs):
+        moves.append(_rewritten(pipe))
+        return move(*args, **kwargs)
+
+    pipe.to = recording_to
+    apply_config(pipe, config, cpu("sd15"))
+    assert moves == [True]
+
+
+def test_a_pipeline_already_on_the_device_is_warned_about_before_it_is_quantized():
+    # The meta device stands in for a GPU (none here).
+    pipe = build_tiny("sd15", {"dtype": "bfloat16"}).to("meta")
+    with pytest.warns(UserWarning, match="peak memory will be higher than the profile measured"):
+        apply_config(pipe, {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"},
+                     Target(device="meta", family="sd15"))
+
+
 def test_offload_refuses_a_pipeline_that_is_not_on_the_host():
     # The meta device stands in for a GPU (none here): the check is "anywhere but the CPU".
     pipe = build_tiny("sd15").to("meta")

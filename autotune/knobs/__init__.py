@@ -5,7 +5,8 @@ into pipeline state; trial workers and production (`Profile.apply`) both call it
 
 Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
 and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
-fp8 weight cannot be concatenated); then quantization or fp8 storage; layout and the attention
+fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
+moves to the device (so the device never holds the weights before they shrink); layout and the attention
 implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
 change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
 final modules. What ordering cannot fix is forbidden in CONFLICTS, each rule with its reason.
@@ -157,12 +158,43 @@ def complete(config: Config) -> Config:
     return full
 
 
+# The knobs that rewrite weights into a smaller storage format. A config that sets one is built on
+# the host and reaches the device only in that format: loaded to the GPU first, the full-precision
+# weights would set the trial's peak (the caching allocator keeps their blocks, and the driver
+# counts them) and quantization could never bring a config under a budget.
+WEIGHT_REWRITES: tuple[Knob, ...] = (QUANTIZE, QUANTIZE_TEXT_ENCODERS, LAYERWISE_CASTING)
+_LAST_REWRITE = max(WEIGHT_REWRITES, key=APPLY_ORDER.index)
+
+
+def rewrites_weights(config: Config) -> bool:
+    """Whether a config stores some weights in a smaller format than its dtype."""
+    return any(config.get(k.name, k.default) != k.default for k in WEIGHT_REWRITES)
+
+
+def build_device(config: Config, target: Target) -> str:
+    """Where to build the pipeline before apply_config: on the target device only when nothing
+    has to happen to the weights on the host first (offload and placement hooks move them
+    themselves; quantization and fp8 storage shrink them on the way)."""
+    if places_on_device(config) and not rewrites_weights(config):
+        return target.device
+    return "cpu"
+
+
 def apply_config(pipe, config: Config, target: Target):
     """Put a freshly loaded pipeline into the state that `config` describes, on `target.device`."""
     config = complete(config)
+    if rewrites_weights(config) and pipe.device.type != "cpu":
+        import warnings
+
+        warnings.warn(f"the pipeline is on {pipe.device} before its weights are quantized or cast to fp8: "
+                      "its full-precision weights were there first, so its peak memory will be higher than "
+                      "the profile measured (load it on the CPU and let the configuration move it)",
+                      stacklevel=2)
     for knob in APPLY_ORDER:
         knob.apply(pipe, config[knob.name], target, config)
-        if knob is DTYPE and places_on_device(config):
+        # The whole pipeline goes to the device once its weights are in their final format
+        # (quantize_ moves the modules it quantizes there one by one itself).
+        if knob is _LAST_REWRITE and places_on_device(config):
             pipe.to(target.device)
     return pipe
 
@@ -173,9 +205,7 @@ def build_configured(spec, config: Config, target: Target):
     from ..models import build_pipeline
 
     config = complete(config)
-    # Offload hooks and balanced placement place the weights themselves: build on the CPU for them.
-    build_device = target.device if places_on_device(config) else "cpu"
-    pipe = build_pipeline(spec, dtype=DTYPES[config["dtype"]], device=build_device)
+    pipe = build_pipeline(spec, dtype=DTYPES[config["dtype"]], device=build_device(config, target))
     return apply_config(pipe, config, target)
 
 
@@ -189,7 +219,9 @@ __all__ = [
     "apply_config",
     "baseline",
     "build_configured",
+    "build_device",
     "complete",
     "conflict",
     "matches",
+    "rewrites_weights",
 ]

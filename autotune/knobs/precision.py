@@ -60,12 +60,11 @@ def _apply_vae_fp16_fix(pipe, value, target, config):
         return
     from diffusers import AutoencoderKL
 
-    from .memory import places_on_device
-
     vae = AutoencoderKL.from_pretrained(SDXL_VAE_FP16_FIX, torch_dtype=pipe.dtype, cache_dir=_hub_cache(),
                                         local_files_only=True)
-    # Where the rest of the pipeline is: on the device, or on the host for offload hooks to place.
-    pipe.vae = vae.to(target.device if places_on_device(config) else "cpu")
+    # Where the rest of the pipeline is: on the device, or on the host (for offload hooks to
+    # place, or until quantization is done: knobs.apply_config moves it then).
+    pipe.vae = vae.to(pipe.device)
 
 
 VAE_FP16_FIX = Knob(

@@ -2,6 +2,8 @@
 
 Both rewrite the weights, so both come after fuse_qkv in APPLY_ORDER (a quantized or fp8 weight
 cannot be concatenated into a fused projection), and they exclude each other (knobs.CONFLICTS).
+A config with either is built on the host and reaches the device already rewritten
+(knobs.build_device).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import Knob, denoiser, package_missing
+from .memory import places_on_device
 
 # The linear shapes the SDXL guide ("Accelerate inference of text-to-image diffusion models")
 # leaves in bfloat16 under dynamic int8: for these, quantizing the activations cost more than the
@@ -52,13 +55,20 @@ def _torchao_config(value):
     raise ValueError(value)
 
 
+def _quantize_on(target, config):
+    """Where quantize_ should quantize: on the GPU, one module at a time (quantize_ moves each
+    there just before quantizing it), when the pipeline is to live there and was built on the
+    host for this; None (in place) otherwise, e.g. for offload, whose hooks keep weights on the host."""
+    return target.device if target.is_cuda and places_on_device(config) else None
+
+
 def _apply_quantize(pipe, value, target, config):
     if value == "none":
         return
     from torchao.quantization import quantize_
 
     kwargs = {"filter_fn": guide_filter} if value == "int8dq-filtered" else {}
-    quantize_(denoiser(pipe), _torchao_config(value), **kwargs)
+    quantize_(denoiser(pipe), _torchao_config(value), device=_quantize_on(target, config), **kwargs)
 
 
 _CUDA_ONLY = {
@@ -102,7 +112,7 @@ def _apply_quantize_text_encoders(pipe, value, target, config):
     for name in _TEXT_ENCODERS:
         encoder = getattr(pipe, name, None)
         if encoder is not None:
-            quantize_(encoder, _torchao_config(value))
+            quantize_(encoder, _torchao_config(value), device=_quantize_on(target, config))
 
 
 QUANTIZE_TEXT_ENCODERS = Knob(

@@ -112,6 +112,30 @@ def test_quantize_on_cuda(choice):
                if isinstance(m, torch.nn.Linear))
 
 
+def _reserved_peak_of_build(spec, config):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    pipe = build_configured(spec, config, target(spec.family))
+    peak = torch.cuda.max_memory_reserved()
+    return pipe, peak
+
+
+def test_a_quantized_config_never_holds_its_full_precision_weights_on_the_gpu():
+    # SD1.5's full architecture (random weights): large enough that the weights dominate the
+    # allocator's peak. Built to the GPU first and quantized there, the bfloat16 weights would set
+    # the peak, and int8 could never bring a config under a budget.
+    spec = resolve_model("sd15", random_weights=True)
+    pipe, plain_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16"})
+    int8_bytes_saved = sum(m.weight.numel() for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear))
+    del pipe
+    pipe, int8_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16", "quantize": "int8wo"})
+    assert pipe.unet.device.type == "cuda" and pipe.vae.device.type == "cuda"
+    assert int8_peak <= plain_peak - 0.8 * int8_bytes_saved, (plain_peak, int8_peak, int8_bytes_saved)
+    del pipe
+    pipe, fp8_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"})
+    assert fp8_peak < plain_peak - 0.5 * int8_bytes_saved, (plain_peak, fp8_peak)
+
+
 def test_text_encoders_in_int8_on_flux():
     run({"dtype": "bfloat16", "quantize_text_encoders": "int8wo"}, "flux")
 
