@@ -5,6 +5,16 @@ until two calls agree, timed calls until the last REPEATS agree within 5% (at mo
 claim: the medians of separate trials agree, (max - min) / median under 5%.
 
     python benchmarks/measurement_stability.py --trials 5
+    python benchmarks/measurement_stability.py --trials 5 --configs baseline --control
+
+`--control` tells drift of the host from differences between processes: this script's own process
+builds the first configuration once and, before each trial, times 5 calls of it. If its medians
+spread as much as the trials' do, the machine drifted; if they hold still while the trials spread,
+something differs from one process to the next. `--series N` skips the trials and times N calls
+in a row in this one process: the spread of the medians of consecutive blocks of calls shows on
+what time scale the machine's speed moves.
+
+    python benchmarks/measurement_stability.py --series 100
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from pathlib import Path
 import torch
 
 from autotune import runner, worker
-from autotune.knobs import baseline
+from autotune.knobs import Target, baseline, build_configured
 from autotune.models import resolve_model
 
 CONFIGS = {
@@ -36,25 +46,66 @@ def machine_probe() -> float:
     return time.perf_counter() - start
 
 
+def in_process_call(spec, configs, args):
+    """A function timing one call of the first configuration, built once in this process."""
+    torch.set_num_threads(args.threads)
+    workload = spec.default_workload
+    first = {**baseline(), **next(iter(configs.values()))}
+    pipe = build_configured(spec, first, Target(device="cpu", family=spec.family, workload=workload))
+    pipe.set_progress_bar_config(disable=True)
+
+    def call() -> float:
+        generator = torch.Generator("cpu").manual_seed(workload.seed)
+        start = time.perf_counter()
+        pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
+        return time.perf_counter() - start
+
+    call()  # its cold call
+    return call
+
+
+def series(spec, configs, args) -> None:
+    call = in_process_call(spec, configs, args)
+    times = [call() for _ in range(args.series)]
+    print(f"{args.model} on cpu, {args.threads} threads, {next(iter(configs))}: {args.series} calls in a row "
+          f"in one process ({sum(times):.0f} s)")
+    print("calls (s): " + ", ".join(f"{t:.3f}" for t in times))
+    print("| calls per block | blocks | spread of the blocks' medians |")
+    print("|---|---|---|")
+    for size in (1, 3, 5, 10, 20):
+        medians = [statistics.median(times[i:i + size]) for i in range(0, len(times) - size + 1, size)]
+        print(f"| {size} | {len(medians)} | {(max(medians) - min(medians)) / statistics.median(medians):.1%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-sdxl")
     parser.add_argument("--trials", type=int, default=5, help="separate trials per configuration")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--series", type=int, default=0, metavar="N",
+                        help="instead of trials: N calls in a row in this process, and their drift")
+    parser.add_argument("--control", action="store_true",
+                        help="time the first configuration in this process too, before each trial")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="which configurations to measure (default: all)")
     args = parser.parse_args()
 
     spec = resolve_model(args.model)
     configs = {name: CONFIGS[name] for name in args.configs}
+    if args.series:
+        return series(spec, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
     calls: dict[str, list[int]] = {name: [] for name in configs}
     probes: list[float] = []
+    control: list[float] = []
+    control_call = in_process_call(spec, configs, args) if args.control else None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.trials):
             for name, changes in configs.items():  # alternate, so drifts of the machine hit both
                 probes.append(machine_probe())
+                if control_call and name == next(iter(configs)):
+                    control.append(statistics.median(control_call() for _ in range(5)))
                 request = worker.trial_request(spec, {**baseline(), **changes}, spec.default_workload, "cpu",
                                                repeats=args.repeats, threads=args.threads)
                 result = runner.run_trial(request, Path(tmp) / f"{name}-{i}", 900, launcher="fork")
@@ -72,6 +123,10 @@ def main() -> None:
     spread = (max(probes) - min(probes)) / statistics.median(probes)
     print(f"| (machine probe: fixed bf16 matmul loop before each trial) | "
           f"{', '.join(f'{v:.3f}' for v in probes)} | - | {spread:.1%} |")
+    if control:
+        spread = (max(control) - min(control)) / statistics.median(control)
+        print(f"| (control: {next(iter(configs))} in one long-lived process, 5 calls before each trial) | "
+              f"{', '.join(f'{v:.3f}' for v in control)} | 5 each | {spread:.1%} |")
 
 
 if __name__ == "__main__":
