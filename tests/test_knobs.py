@@ -129,6 +129,19 @@ def test_cuda_graph_compile_modes_on_regional_blocks_are_forbidden():
     assert conflict({"compile": "max-autotune-no-cudagraphs", "compile_regional": True}, "flux") is None
 
 
+def test_int4_weights_are_never_quantized_on_the_host():
+    from autotune.knobs import complete, conflict
+
+    # the reason, as this torch has it: the tile packing int4wo uses has no CPU kernel
+    with pytest.raises(NotImplementedError, match="CPU"):
+        torch.ops.aten._convert_weight_to_int4pack(torch.zeros(64, 32, dtype=torch.uint8), 2)
+    int4 = complete({"dtype": "bfloat16", "quantize": "int4wo"})
+    assert conflict(int4) is None
+    for hosted in ({"offload": "model"}, {"offload": "group-leaf-stream"}, {"placement": "balanced"}):
+        assert "_convert_weight_to_int4pack" in conflict({**int4, **hosted}), hosted
+    assert conflict({**int4, "quantize": "int8wo", "offload": "model"}) is None
+
+
 def test_fuse_then_quantize_in_one_config_works():
     pipe = build_tiny("sdxl", {"fuse_qkv": True, "quantize": "int8wo", "dtype": "bfloat16"})
     assert any(is_torchao(m.weight) for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear))

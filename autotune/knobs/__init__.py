@@ -93,6 +93,14 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),
     ({"compile": "none", "compile_vae": True}, "compile_vae only matters when compiling"),
     ({"compile": "none", "inductor_flags": True}, "inductor_flags only matter when compiling"),
+    # where weights are quantized: offload and balanced placement keep them on the host until
+    # the hooks move them, so quantize_ runs there
+    ({"quantize": "int4wo", "offload": _HOOKS},
+     "int4 weights are packed for the tinygemm kernel when quantized, and torch packs them only on a "
+     "GPU (no CPU kernel for _convert_weight_to_int4pack); offload keeps them on the host"),
+    ({"quantize": "int4wo", "placement": "balanced"},
+     "int4 weights are packed only on a GPU (no CPU kernel for _convert_weight_to_int4pack); "
+     "balanced placement quantizes on the host before it places the components"),
     # placement
     ({"placement": "balanced", "offload": _HOOKS},
      "balanced placement puts whole components on GPUs; offload hooks would move them again (diffusers raises)"),

@@ -136,6 +136,15 @@ def test_a_quantized_config_never_holds_its_full_precision_weights_on_the_gpu():
     assert fp8_peak < plain_peak - 0.5 * int8_bytes_saved, (plain_peak, fp8_peak)
 
 
+@pytest.mark.parametrize("choice", ["int8wo", "int8dq", "float8dq"])
+def test_quantized_on_the_host_then_offloaded(choice):
+    # With offload the weights are quantized on the host and the hooks move the quantized
+    # tensors to the GPU for each call (int4 is ruled out: it packs on a GPU only).
+    needs("quantize", choice)
+    pipe = run({"dtype": "bfloat16", "quantize": choice, "offload": "model"})
+    assert pipe.unet.device.type == "cpu"
+
+
 def test_text_encoders_in_int8_on_flux():
     run({"dtype": "bfloat16", "quantize_text_encoders": "int8wo"}, "flux")
 
