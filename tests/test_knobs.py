@@ -129,6 +129,20 @@ def test_cuda_graph_compile_modes_on_regional_blocks_are_forbidden():
     assert conflict({"compile": "max-autotune-no-cudagraphs", "compile_regional": True}, "flux") is None
 
 
+def test_cuda_graph_modes_never_meet_outputs_held_across_replays():
+    from autotune.knobs import complete, conflict
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        compiled_vae = complete({"compile": mode, "compile_vae": True})
+        assert conflict(compiled_vae) is None
+        assert "tiles" in conflict({**compiled_vae, "vae_tiling": True})
+        assert "batch" in conflict({**compiled_vae, "vae_slicing": True})
+        for cache in ("first-block", "taylorseer", "magcache"):
+            assert "caches" in conflict(complete({"compile": mode, "cache": cache}), "flux")
+    no_graphs = complete({"compile": "max-autotune-no-cudagraphs", "compile_vae": True, "vae_tiling": True})
+    assert conflict(no_graphs) is None and conflict({**no_graphs, "cache": "first-block"}, "flux") is None
+
+
 def test_int4_weights_are_never_quantized_on_the_host():
     from autotune.knobs import complete, conflict
 

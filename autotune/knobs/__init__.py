@@ -88,6 +88,20 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"compile": list(CUDA_GRAPH_MODES), "compile_regional": True},
      "CUDA-graph compile modes on regionally compiled blocks: one block's output is the next replay's "
      "input and is overwritten by it (pytorch#152887)"),
+    # The same mechanism, read in torch's cudagraph_trees and diffusers' VAE, not yet seen on a
+    # GPU: each call of a CUDA-graph-compiled module starts a new generation and frees the
+    # outputs of the last one, while the VAE keeps every tile's (or slice's) decoded output in a
+    # list until it joins them.
+    ({"compile": list(CUDA_GRAPH_MODES), "compile_vae": True, "vae_tiling": True},
+     "a CUDA-graph-compiled VAE decoder runs once per tile, and each replay overwrites the tiles "
+     "decoded before it, which the VAE still holds to blend them"),
+    ({"compile": list(CUDA_GRAPH_MODES), "compile_vae": True, "vae_slicing": True},
+     "a CUDA-graph-compiled VAE decoder runs once per image of the batch, and each replay "
+     "overwrites the images decoded before it, which the VAE still holds to join them"),
+    # Inferred the same way: the caches keep tensors computed in one denoiser call for the next.
+    ({"compile": list(CUDA_GRAPH_MODES), "cache": _CACHES},
+     "step caches keep tensors from one denoiser call for the next, and a CUDA-graph replay "
+     "overwrites the outputs of the one before"),
     # how to compile only matters when compiling
     ({"compile": "none", "compile_fullgraph": True}, "compile_fullgraph only matters when compiling"),
     ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),
