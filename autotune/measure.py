@@ -93,6 +93,13 @@ class NvmlPeak:
     def peak(self) -> int:
         return self.device_peak if self.process_peak is None else self.process_peak
 
+    def current(self) -> int:
+        """What the source of `peak` reports now."""
+        own = self._own_usage()
+        if own is not None or self.process_peak is not None:
+            return own or 0
+        return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+
     def _own_usage(self) -> int | None:
         for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
             if proc.pid == self._pid and proc.usedGpuMemory is not None:
@@ -118,10 +125,26 @@ class NvmlPeak:
 @dataclass
 class MemoryReport:
     peak_bytes: int  # the figure the budget is checked against
-    source: str  # "nvml-process", "nvml-device" or "rss"
+    source: str  # "nvml-process", "nvml-device", "torch-reserved+outside" or "rss"
     host_peak_rss_bytes: int
     torch_peak_allocated_bytes: int | None = None
     torch_peak_reserved_bytes: int | None = None
+    nvml_sampled_peak_bytes: int | None = None  # the highest NVML reading the poller took
+    outside_torch_bytes: int | None = None  # the driver's figure less torch's cache, at the end
+
+
+def device_peak(sampled: int, reserved_peak: int | None, outside_torch: int | None) -> tuple[int, bool]:
+    """The device peak to budget against, and whether torch's figure set it.
+
+    NVML is polled, so a peak shorter than the polling interval can fall between two readings:
+    accelerate's sequential offload empties torch's cache after each weight it moves, so the
+    cache grows and shrinks around every layer. torch's allocator counts its own peak exactly;
+    the driver holds `outside_torch` more than torch's cache (the CUDA context, kernel modules),
+    which only grows while a process runs, so reading it at the end bounds it from above."""
+    if reserved_peak is None or outside_torch is None:
+        return sampled, False
+    exact = reserved_peak + outside_torch
+    return (exact, True) if exact > sampled else (sampled, False)
 
 
 class MemoryTracker:
@@ -148,15 +171,25 @@ class MemoryTracker:
             return MemoryReport(peak_bytes=rss, source="rss", host_peak_rss_bytes=rss)
         import torch
 
-        torch.cuda.synchronize(self.device)
-        time.sleep(2 * self._nvml._interval)  # let the poller see the final state
-        peak = self._nvml.stop()
+        allocated = reserved = outside = None
+        try:
+            torch.cuda.synchronize(self.device)
+            time.sleep(2 * self._nvml._interval)  # let the poller see the final state
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            outside = max(0, self._nvml.current() - torch.cuda.memory_reserved(self.device))
+        except Exception:  # noqa: BLE001 - a CUDA context broken by the trial's own error (an
+            pass  # illegal address, a device-side assert): what NVML saw is still the result
+        sampled = self._nvml.stop()
+        peak, from_torch = device_peak(sampled, reserved, outside)
         return MemoryReport(
             peak_bytes=peak,
-            source=self._nvml.source,
+            source="torch-reserved+outside" if from_torch else self._nvml.source,
             host_peak_rss_bytes=rss,
-            torch_peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
-            torch_peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            torch_peak_allocated_bytes=allocated,
+            torch_peak_reserved_bytes=reserved,
+            nvml_sampled_peak_bytes=sampled,
+            outside_torch_bytes=outside,
         )
 
 

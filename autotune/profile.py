@@ -51,6 +51,7 @@ def _point(record, budget_bytes: int) -> dict:
         "memory_source": r.get("memory_source"),
         "torch_peak_allocated_bytes": r.get("torch_peak_allocated_bytes"),
         "torch_peak_reserved_bytes": r.get("torch_peak_reserved_bytes"),
+        "nvml_sampled_peak_bytes": r.get("nvml_sampled_peak_bytes"),  # on a GPU: what polling saw
         "host_peak_rss_bytes": r.get("host_peak_rss_bytes"),
         "cold_start_s": r.get("cold_start_s"),
         "per_step_s": r.get("per_step_s"),

@@ -68,6 +68,8 @@ def classify(exc: BaseException) -> str:
         return OUT_OF_MEMORY
     if "can't allocate memory" in text or "cannot allocate memory" in text:
         return OUT_OF_MEMORY
+    if "alloc_failed" in text:  # cuBLAS/cuDNN handles and workspaces (CUBLAS_STATUS_ALLOC_FAILED)
+        return OUT_OF_MEMORY
     module = type(exc).__module__ or ""
     if module.startswith(("torch._dynamo", "torch._inductor")) or "inductor" in text:
         return COMPILE_ERROR
@@ -185,6 +187,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             host_peak_rss_bytes=memory.host_peak_rss_bytes,
             torch_peak_allocated_bytes=memory.torch_peak_allocated_bytes,
             torch_peak_reserved_bytes=memory.torch_peak_reserved_bytes,
+            nvml_sampled_peak_bytes=memory.nvml_sampled_peak_bytes,
+            outside_torch_bytes=memory.outside_torch_bytes,
             worker_s=time.perf_counter() - started,
         )
     return result

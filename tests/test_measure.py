@@ -146,3 +146,25 @@ def test_nvml_peak_is_the_process_own_once_it_is_listed(monkeypatch):
 def test_nvml_peak_falls_back_to_the_device_when_the_process_is_never_listed(monkeypatch):
     steps = [(1000, None), (3000, None), (4500, None), (2000, None)]
     assert nvml_peak_over(steps, monkeypatch) == (3500, "nvml-device")
+
+
+def test_the_device_peak_is_torchs_exact_peak_plus_what_lies_outside_it_when_polling_missed_it():
+    from autotune.measure import device_peak
+
+    # polling saw 6.0 GB; torch reserved 6.5 GB for a moment between two readings, and the
+    # driver holds 0.7 GB beyond torch's cache: 7.2 GB is the peak
+    assert device_peak(6_000, 6_500, 700) == (7_200, True)
+    assert device_peak(8_000, 6_500, 700) == (8_000, False)  # polling caught it (and more)
+    assert device_peak(6_000, None, None) == (6_000, False)  # torch's figures were unreadable
+
+
+def test_nvml_current_reads_the_same_source_as_the_peak(monkeypatch):
+    from autotune.measure import NvmlPeak
+
+    fake = FakeNvml([(1000, None), (5000, 900), (5000, 900)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    peak = NvmlPeak("GPU-x", interval_s=0.001)
+    while fake.i < 3:
+        time.sleep(0.001)
+    peak.stop()
+    assert peak.source == "nvml-process" and peak.current() == 900
