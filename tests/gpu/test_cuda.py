@@ -20,12 +20,15 @@ def test_nvml_peak_sees_an_allocation_and_the_context():
     x.fill_(1)
     del x
     report = tracker.report()
-    assert report.source.startswith("nvml")
     assert report.torch_peak_reserved_bytes >= GiB
-    # the driver-level figure holds the CUDA context beside what the allocator reserved
-    assert report.peak_bytes > report.torch_peak_reserved_bytes
-    print(f"nvml peak {report.peak_bytes / GiB:.2f} GiB ({report.source}), torch reserved "
-          f"{report.torch_peak_reserved_bytes / GiB:.2f} GiB")
+    # the driver-level figure holds the CUDA context beside what the allocator reserved (the
+    # block stays in torch's cache, so polling sees it for as long as the tracker runs)
+    assert report.nvml_sampled_peak_bytes > report.torch_peak_reserved_bytes
+    assert report.outside_torch_bytes > 0
+    assert report.peak_bytes >= report.nvml_sampled_peak_bytes
+    print(f"peak {report.peak_bytes / GiB:.2f} GiB ({report.source}), polled {report.nvml_sampled_peak_bytes / GiB:.2f}"
+          f" GiB, torch reserved {report.torch_peak_reserved_bytes / GiB:.2f} GiB, outside torch "
+          f"{report.outside_torch_bytes / 2**20:.0f} MiB")
 
 
 def run_on_cuda(config, family="sdxl"):
@@ -64,6 +67,20 @@ def test_a_cuda_trial_reports_driver_level_memory(tmp_path):
     request = worker.trial_request(spec, {"dtype": "bfloat16"}, spec.default_workload, "cuda")
     result = runner.run_trial(request, tmp_path / "t", timeout_s=600)
     assert result["status"] == worker.OK, result.get("error")
-    assert result["memory_source"].startswith("nvml")
-    assert result["peak_memory_bytes"] >= result["torch_peak_reserved_bytes"] > 0
-    print({k: result[k] for k in ("latency_s", "peak_memory_bytes", "torch_peak_reserved_bytes", "memory_source")})
+    assert result["memory_source"] in ("nvml-process", "nvml-device", "torch-reserved+outside")
+    assert result["peak_memory_bytes"] >= result["torch_peak_reserved_bytes"] + result["outside_torch_bytes"]
+    assert result["outside_torch_bytes"] > 0
+    print({k: result[k] for k in ("latency_s", "peak_memory_bytes", "nvml_sampled_peak_bytes",
+                                  "torch_peak_reserved_bytes", "outside_torch_bytes", "memory_source")})
+
+
+def test_a_sequentially_offloaded_trial_counts_the_peaks_polling_can_miss(tmp_path):
+    # accelerate empties torch's cache after each weight it moves: the peak per layer is short.
+    spec = resolve_model("tiny-sdxl")
+    request = worker.trial_request(spec, {"dtype": "float16", "offload": "sequential"}, spec.default_workload, "cuda")
+    result = runner.run_trial(request, tmp_path / "t", timeout_s=600)
+    assert result["status"] == worker.OK, result.get("error")
+    assert result["peak_memory_bytes"] >= max(result["nvml_sampled_peak_bytes"],
+                                              result["torch_peak_reserved_bytes"] + result["outside_torch_bytes"])
+    print({k: result[k] for k in ("peak_memory_bytes", "nvml_sampled_peak_bytes", "torch_peak_reserved_bytes",
+                                  "outside_torch_bytes", "memory_source")})
