@@ -83,15 +83,17 @@ def test_tf32_and_cudnn_benchmark_are_cuda_only_with_a_reason():
 
 def test_tf32_and_cudnn_benchmark_set_the_process_flags():
     # The flags exist (and are settable) in a CPU build of torch too: this applies them for real.
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
     try:
         CATALOGUE["tf32"].apply(None, True, cuda("sdxl"), {})
         CATALOGUE["cudnn_benchmark"].apply(None, True, cuda("sdxl"), {})
-        assert matmul.fp32_precision == "tf32" and conv.fp32_precision == "tf32"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
+        # inductor reads the process-wide figure when it autotunes: it must not raise
+        assert torch.get_float32_matmul_precision() == "high"
         assert torch.backends.cudnn.benchmark is True
     finally:
-        matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:]
 
 
 def test_sdxl_in_float16_keeps_the_vae_upcast_and_never_nans():

@@ -83,15 +83,12 @@ VAE_FP16_FIX = Knob(
 def _apply_tf32(pipe, value, target, config):
     if not value:
         return
-    # torch >= 2.9 names precision per backend (fp32_precision); mixing it with the legacy
-    # allow_tf32 flags raises, so use the new one where it exists.
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):
-        matmul.fp32_precision = "tf32"
-        conv.fp32_precision = "tf32"
-    else:  # older torch
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    # Through the process-wide matmul precision, which sets cuBLAS's TF32 as the per-backend
+    # setter would. Inductor still reads it (torch.get_float32_matmul_precision), and that getter
+    # raises once the per-backend setter (torch.backends.cuda.matmul.fp32_precision = "tf32") has
+    # been used: every max-autotune compile then fails (pytorch#196728).
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True  # torch's default for convolutions, in case it was turned off
 
 
 TF32 = Knob(
