@@ -77,6 +77,22 @@ def test_fuse_qkv_fuses_unet_and_vae_attention():
     assert finite(generate(pipe, "sdxl"))
 
 
+@pytest.mark.parametrize("choice", ["sdpa", "sdpa-math"])
+def test_flux_with_sdpa_does_not_inherit_another_pipelines_backend(choice):
+    # diffusers' set_attention_backend also sets a process-wide default: a serving process that
+    # loaded a profile with another backend first would hand it to the next Flux pipeline.
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    build_tiny("flux").transformer.set_attention_backend("_native_math")
+    try:
+        assert _AttentionBackendRegistry._active_backend != AttentionBackendName.NATIVE
+        pipe = build_tiny("flux", {"attention": choice})
+        assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+        assert finite(generate(pipe, "flux"))
+    finally:
+        _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
+
+
 def test_fuse_qkv_on_flux_fuses_the_transformer():
     pipe = build_tiny("flux", {"fuse_qkv": True})
     fused = [m for m in pipe.transformer.modules() if getattr(m, "fused_projections", False)]

@@ -51,9 +51,9 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 def _apply_attention(pipe, value, target, config):
     # "sdpa" is what diffusers installs by default (AttnProcessor2_0): nothing to do, and leaving
     # the processors alone keeps the fused ones that fuse_qkv may have installed.
-    if value == "sdpa" and target.family == "flux":
-        _no_inherited_backend(pipe)
-    elif value in _SLICES:
+    if (value == "sdpa" or value in _SDPA_KERNELS) and target.family == "flux":
+        _no_inherited_backend(pipe)  # native SDPA: what the sdpa_kernel context below acts on
+    if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
     elif value in _SDPA_KERNELS:
         _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
