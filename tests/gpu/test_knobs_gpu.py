@@ -43,18 +43,17 @@ def run(config, family="sdxl", steps=2):
     return pipe
 
 
-@pytest.fixture
-def restore_flags():
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    saved = (matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark)
-    yield
-    matmul.fp32_precision, conv.fp32_precision, torch.backends.cudnn.benchmark = saved
-
-
-def test_tf32_and_cudnn_benchmark(restore_flags):
+def test_tf32_and_cudnn_benchmark():
     run({"tf32": True, "cudnn_benchmark": True})
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.get_float32_matmul_precision() == "high"  # readable: inductor reads it
     assert torch.backends.cudnn.benchmark
+
+
+def test_tf32_with_max_autotune_compiles_and_runs():
+    # The per-backend TF32 setter made inductor's autotuning raise (pytorch#196728).
+    pipe = run({"tf32": True, "compile": "max-autotune-no-cudagraphs"}, "sd15", steps=1)
+    assert pipe.unet._compiled_call_impl is not None
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
@@ -113,12 +112,12 @@ def test_quantize_on_cuda(choice):
                if isinstance(m, torch.nn.Linear))
 
 
-def _reserved_peak_of_build(spec, config):
+def _peak_of_build(spec, config):
     gc.collect()  # the last pipeline's blocks back to torch's cache, and the cache emptied
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     pipe = build_configured(spec, config, target(spec.family))
-    peak = torch.cuda.max_memory_reserved()
+    peak = torch.cuda.max_memory_allocated()  # exact, where reserved adds the cache's rounding
     return pipe, peak
 
 
@@ -127,14 +126,16 @@ def test_a_quantized_config_never_holds_its_full_precision_weights_on_the_gpu():
     # allocator's peak. Built to the GPU first and quantized there, the bfloat16 weights would set
     # the peak, and int8 could never bring a config under a budget.
     spec = resolve_model("sd15", random_weights=True)
-    pipe, plain_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16"})
+    pipe, plain_peak = _peak_of_build(spec, {"dtype": "bfloat16"})
     int8_bytes_saved = sum(m.weight.numel() for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear))
     del pipe
-    pipe, int8_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16", "quantize": "int8wo"})
+    pipe, int8_peak = _peak_of_build(spec, {"dtype": "bfloat16", "quantize": "int8wo"})
     assert pipe.unet.device.type == "cuda" and pipe.vae.device.type == "cuda"
-    assert int8_peak <= plain_peak - 0.8 * int8_bytes_saved, (plain_peak, int8_peak, int8_bytes_saved)
+    # built on the GPU first, int8's peak would be the bfloat16 one or more; quantize_'s
+    # transients (one layer at a time) take part of the saving
+    assert int8_peak <= plain_peak - 0.5 * int8_bytes_saved, (plain_peak, int8_peak, int8_bytes_saved)
     del pipe
-    pipe, fp8_peak = _reserved_peak_of_build(spec, {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"})
+    pipe, fp8_peak = _peak_of_build(spec, {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"})
     assert fp8_peak < plain_peak - 0.5 * int8_bytes_saved, (plain_peak, fp8_peak)
 
 
