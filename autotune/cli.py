@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import AutotuneError
 
     _quiet_libraries()
-    _terminate_as_interrupt()
+    terminate_as_interrupt()
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
@@ -218,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _terminate_as_interrupt() -> None:
+def terminate_as_interrupt() -> None:
     """SIGTERM (kill, a container stopping, a job scheduler) ends a run as Ctrl-C does: the running
     trial's process group killed, the trial queued again, measured trials kept. Left at its
-    default, it killed the parent alone and left the trial's process running, unsupervised."""
+    default, it killed the parent alone and left the trial's process running, unsupervised.
+    The benchmarks call it too: stopped by `timeout`, they stop their trial the same way."""
     import signal
     import threading
 
@@ -404,7 +405,7 @@ def _check_gpus(gpus: list[int]) -> None:
         raise AutotuneError("--gpus: no CUDA GPU is usable here")
     missing = [g for g in gpus if g >= count]
     if missing:
-        raise AutotuneError(f"--gpus: no GPU {', '.join(map(str, missing))} (this machine has {count})")
+        raise AutotuneError(f"--gpus: no GPU {', '.join(map(str, missing))} (GPUs usable here: {count})")
     names = {g: fingerprint.machine(f"cuda:{g}")["name"] for g in gpus}
     if len(set(names.values())) > 1:
         listed = ", ".join(f"{g}: {n}" for g, n in names.items())
@@ -422,9 +423,18 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     from .study import open_storage, prepare, summarize
     import optuna
 
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpus[0])  # the set-up's reference runs here
+    from .fingerprint import visible_gpus
+
+    # --gpus numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set
+    visible = visible_gpus()
+    names = {g: visible[g] if visible else str(g) for g in args.gpus}
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = names[args.gpus[0]]  # the set-up's reference runs here
     prepare(request)
-    del os.environ["CUDA_VISIBLE_DEVICES"]
+    if saved is None:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved
     rest = _without_option(argv, "--gpus")
     logs = request.workdir / "workers"
     logs.mkdir(parents=True, exist_ok=True)
@@ -433,7 +443,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
         log = open(logs / f"gpu{gpu}.log", "wb")
         command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
                    request.study_name, "--storage", request.storage, "--no-profile"]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID")
         workers.append((gpu, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)))
         out.print(f"worker on GPU {gpu} started (log: {logs / f'gpu{gpu}.log'})")
     interrupted = False

@@ -25,13 +25,20 @@ def software() -> dict:
     return out
 
 
+def visible_gpus() -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names, in the order torch numbers them (cuda:0 first), or
+    None where it is not set (every GPU is visible, torch's numbering is the driver's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return [v.strip() for v in visible.split(",") if v.strip()]
+
+
 def _nvml_index(device: str) -> int:
     index = int(device.split(":")[1]) if ":" in device else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            return int(ids[index])
+    ids = visible_gpus()
+    if ids and index < len(ids) and ids[index].isdigit():
+        return int(ids[index])
     return index
 
 
@@ -51,12 +58,15 @@ def cuda_available() -> bool:
 
 
 def cuda_device_count() -> int:
-    """GPUs the driver sees (NVML: no CUDA context in the tuning parent); 0 without a driver."""
+    """GPUs this process may use: those CUDA_VISIBLE_DEVICES names, or every one the driver sees
+    (NVML: no CUDA context in the tuning parent); 0 without a driver."""
     if not cuda_available():
         return 0
     import pynvml
 
-    return int(pynvml.nvmlDeviceGetCount())
+    count = int(pynvml.nvmlDeviceGetCount())
+    ids = visible_gpus()
+    return count if ids is None else min(count, len(ids))
 
 
 def machine(device: str) -> dict:

@@ -131,3 +131,14 @@ def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
         profile = load_profile(path)
     with pytest.raises(ProfileError, match="device='cpu'"):
         profile.load_pipeline()
+
+
+def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
+    # torch numbers the visible GPUs from 0; NVML numbers every GPU on the machine
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert fingerprint.visible_gpus() is None and fingerprint._nvml_index("cuda:1") == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert fingerprint.visible_gpus() == ["2", "3"]
+    assert fingerprint._nvml_index("cuda") == 2 and fingerprint._nvml_index("cuda:1") == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert fingerprint.visible_gpus() == []  # no GPU visible at all
