@@ -217,6 +217,17 @@ def forked_main(request_path: str, result_path: str, log_path: str) -> None:
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    import torch
+
+    request = json.loads(Path(request_path).read_text())
+    if request["device"].startswith("cuda") and torch.cuda._is_in_bad_fork():
+        # The server initialised CUDA while preloading (xFormers' import asks for the device's
+        # capability), and a CUDA context does not survive fork: say so, not "Cannot re-initialize".
+        _write_json(Path(result_path), {
+            "status": UNSUPPORTED, "threads": request.get("threads"),
+            "error": "the fork launcher cannot run CUDA trials here: importing the libraries "
+                     "initialised CUDA in the fork server (xFormers does); use --launcher spawn"})
+        return
     main([request_path, result_path], started, host_extra_bytes=unmapped)
 
 
