@@ -51,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from autotune import fingerprint, runner, worker
-    from autotune.cli import measurement_defaults
+    from autotune.cli import measurement_defaults, terminate_as_interrupt
     from autotune.knobs import baseline
     from autotune.models import resolve_model
     from autotune.sizes import format_size, parse_margin, parse_size
     from autotune.study import violation
     from autotune.workload import Workload
 
+    terminate_as_interrupt()  # stopped by `timeout` or kill: the running trial's group is killed too
     if not fingerprint.cuda_available():
         print("gpu_memory: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             result.pop("traceback", None)
             rows.append({"name": name, "config": changes, **result})
             peak = result.get("peak_memory_bytes")
-            print(f"{name}: {result['status']}, NVML peak {format_size(peak)}, torch reserved "
+            print(f"{name}: {result['status']}, peak {format_size(peak)}, torch reserved "
                   f"{format_size(result.get('torch_peak_reserved_bytes'))}, "
                   f"latency {result.get('latency_s', float('nan')):.3f} s", flush=True)
 
@@ -91,24 +92,26 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"{gpu}, torch {torch.__version__}, Python {platform.python_version()}. Budget {args.budget} "
         f"with autotune's default margin ({margin}: {format_size(margin_bytes)}): a configuration fits "
-        "when its NVML peak plus the margin is within the budget.",
+        "when its peak plus the margin is within the budget. The peak is NVML's polled figure for the "
+        "trial's process, or torch's reserved peak plus what the driver holds outside torch's cache "
+        "where that is higher (source `torch-reserved+outside`).",
         "",
         f"Command: `python benchmarks/gpu_memory.py --model {args.model} --height {args.height} "
         f"--width {args.width} --steps {args.steps} --budget {args.budget}`",
         "",
-        "| configuration | status | NVML peak (source) | torch reserved peak | torch allocated peak | "
-        "NVML - reserved | host peak RSS | fits | headroom | latency (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | status | peak (source) | NVML polled peak | torch reserved peak | "
+        "torch allocated peak | outside torch's cache | host peak RSS | fits | headroom | latency (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        peak, reserved = r.get("peak_memory_bytes"), r.get("torch_peak_reserved_bytes")
+        peak = r.get("peak_memory_bytes")
         fits = violation(r, budget, margin_bytes) <= 0  # as the study judges a trial
         headroom = budget - peak if peak else None
         latency = r.get("latency_s")
         lines.append(
             f"| {r['name']} | {r['status']} | {format_size(peak)} ({r.get('memory_source')}) | "
-            f"{format_size(reserved)} | {format_size(r.get('torch_peak_allocated_bytes'))} | "
-            f"{format_size(peak - reserved) if peak and reserved else '-'} | "
+            f"{format_size(r.get('nvml_sampled_peak_bytes'))} | {format_size(r.get('torch_peak_reserved_bytes'))} | "
+            f"{format_size(r.get('torch_peak_allocated_bytes'))} | {format_size(r.get('outside_torch_bytes'))} | "
             f"{format_size(r.get('host_peak_rss_bytes'))} | {'yes' if fits else 'no'} | "
             f"{format_size(headroom) if headroom is not None and headroom >= 0 else '-'} | "
             f"{f'{latency:.3f}' if latency else '-'} |")

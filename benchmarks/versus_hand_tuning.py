@@ -54,7 +54,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from autotune.cli import measurement_defaults
+from autotune.cli import measurement_defaults, terminate_as_interrupt
 from autotune.console import config_changes  # how the CLI names a config's changes
 
 HERE = Path(__file__).resolve().parent
@@ -308,7 +308,10 @@ class Measurements:
         if key in self.results and not self.reuse:
             key = f"{key}#{time.time()}"  # --no-reuse: keep every measurement
         self.results[key] = stored
-        self.index.write_text(json.dumps(self.results))
+        # atomically: a run stopped mid-write must not leave an index the next run cannot read
+        partial = self.index.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.results))
+        partial.replace(self.index)
         return result
 
 
@@ -393,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-machine", action="store_true",
                    help="say in the results that other work shared the machine during the run")
     args = p.parse_args(argv)
+    terminate_as_interrupt()  # stopped by `timeout` or kill: the running trial's group is killed too
 
     import optuna
     import torch
@@ -609,7 +613,8 @@ def _s(seconds) -> str:
 
 KEEP = ("status", "latency_s", "p90_s", "spread", "calls", "latencies_s", "first_call_s", "load_s",
         "cold_start_s", "peak_memory_bytes", "memory_source", "host_peak_rss_bytes",
-        "torch_peak_allocated_bytes", "wall_s", "error", "kept_output", "reused", "threads")
+        "torch_peak_allocated_bytes", "torch_peak_reserved_bytes", "nvml_sampled_peak_bytes",
+        "outside_torch_bytes", "wall_s", "error", "kept_output", "reused", "threads")
 
 
 def _slim(result: dict) -> dict:
