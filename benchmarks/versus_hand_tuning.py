@@ -391,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny-sd15, 2 budgets, 4 trials, no compile")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="", help="suffix of the output files (versus_hand_tuning-NAME.*)")
-    p.add_argument("--workdir", type=Path, help="trials, studies, pool and inductor cache "
-                   "(default: /tmp/versus-hand-tuning-<timestamp>; the same one resumes)")
+    p.add_argument("--workdir", type=Path, help="trials, studies, pool, paired rounds and inductor cache "
+                   "(default: /tmp/versus-hand-tuning-<timestamp>; the same one resumes, measuring only "
+                   "what was not measured yet; keep the workload flags the same)")
     p.add_argument("--shared-machine", action="store_true",
                    help="say in the results that other work shared the machine during the run")
     args = p.parse_args(argv)
@@ -673,6 +674,10 @@ def paired_rounds(summary, tuned, rows, probe, workdir: Path, rounds: int, timeo
 
     by_name = {r["name"]: r for r in rows}
     measured: dict[tuple, dict] = {}
+    # every paired trial's result, kept as it ends: a run stopped here resumes with the same --workdir
+    done_file = workdir / "paired" / "done.json"
+    done_file.parent.mkdir(parents=True, exist_ok=True)
+    done = json.loads(done_file.read_text()) if done_file.exists() else {}
     for t, s in zip(tuned, summary):
         if not (t["point"] and s["best_hand"]):
             continue
@@ -686,8 +691,15 @@ def paired_rounds(summary, tuned, rows, probe, workdir: Path, rounds: int, timeo
             for i in range(rounds):
                 for who, config in (("autotune", ours), ("hand", theirs)):
                     folder = workdir / "paired" / f"{len(measured)}-{i}-{who}"
-                    result = runner.run_trial(probe.trial_request(config, folder / "output.npy"), folder,
-                                              timeout_s=timeout_s, launcher=launcher)
+                    done_key = f"{key[0]}|{key[1]}|{i}|{who}"
+                    if done_key not in done:
+                        result = runner.run_trial(probe.trial_request(config, folder / "output.npy"), folder,
+                                                  timeout_s=timeout_s, launcher=launcher)
+                        done[done_key] = {k: result.get(k) for k in ("status", "latency_s")}
+                        partial = done_file.with_suffix(".json.partial")
+                        partial.write_text(json.dumps(done))
+                        partial.replace(done_file)
+                    result = done[done_key]
                     if result["status"] == "ok":
                         times[who].append(result["latency_s"])
                     log(f"  {_size(t['budget_bytes'])} round {i + 1} {who}: {result['status']} "
