@@ -345,7 +345,7 @@ def test_configs_that_shrink_weights_are_built_on_the_host_for_a_gpu():
     from autotune.knobs import build_device
 
     assert build_device({"dtype": "bfloat16"}, cuda("sdxl")) == "cuda"
-    for shrinks in ({"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
+    for shrinks in ({"fuse_qkv": True}, {"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
                     {"layerwise_casting": "fp8-e4m3"}, {"offload": "model"}):
         assert build_device({"dtype": "bfloat16", **shrinks}, cuda("sdxl")) == "cpu", shrinks
 
@@ -353,10 +353,11 @@ def test_configs_that_shrink_weights_are_built_on_the_host_for_a_gpu():
 def _rewritten(pipe) -> bool:
     linears = [m.weight for m in [*pipe.unet.modules(), *pipe.text_encoder.modules()]
                if isinstance(m, torch.nn.Linear)]
-    return any(type(w).__module__.startswith("torchao") or w.dtype == torch.float8_e4m3fn for w in linears)
+    fused = any(getattr(m, "fused_projections", False) for m in pipe.unet.modules())
+    return fused or any(type(w).__module__.startswith("torchao") or w.dtype == torch.float8_e4m3fn for w in linears)
 
 
-@pytest.mark.parametrize("config", [{"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
+@pytest.mark.parametrize("config", [{"fuse_qkv": True}, {"quantize": "int8wo"}, {"quantize_text_encoders": "int8wo"},
                                     {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"}])
 def test_the_pipeline_moves_to_the_device_once_its_weights_are_rewritten(config):
     # On a GPU the move is what puts weights in device memory: made before quantization, the

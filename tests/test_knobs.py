@@ -93,6 +93,32 @@ def test_flux_with_sdpa_does_not_inherit_another_pipelines_backend(choice):
         _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
 
 
+@pytest.mark.parametrize("family", ["sdxl", "sd15", "sd3", "flux"])
+def test_fuse_qkv_drops_the_separate_projections_and_changes_no_output(family):
+    from autotune.knobs.layout import drop_unfused_projections
+
+    def count(pipe):
+        return sum(p.numel() for name in ("unet", "transformer", "vae") if getattr(pipe, name, None) is not None
+                   for p in getattr(pipe, name).parameters())
+
+    unfused = count(build_tiny(family))
+    pipe = build_tiny(family)  # fused by diffusers alone: the separate projections kept
+    if family in ("sdxl", "sd15"):
+        pipe.fuse_qkv_projections()
+        models = [pipe.unet, pipe.vae]
+    else:
+        pipe.transformer.fuse_qkv_projections()
+        models = [pipe.transformer]
+    fused = count(pipe)
+    assert fused > unfused
+    kept = generate(pipe, family)
+    assert sum(drop_unfused_projections(m) for m in models) == fused - unfused
+    assert count(pipe) == unfused  # the fused projections hold exactly what the separate ones did
+    assert np.array_equal(generate(pipe, family), kept)  # the fused processors never called them
+    knob = build_tiny(family, {"fuse_qkv": True})
+    assert count(knob) == unfused and np.array_equal(generate(knob, family), kept)
+
+
 def test_fuse_qkv_on_flux_fuses_the_transformer():
     pipe = build_tiny("flux", {"fuse_qkv": True})
     fused = [m for m in pipe.transformer.modules() if getattr(m, "fused_projections", False)]

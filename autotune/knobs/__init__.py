@@ -6,7 +6,7 @@ into pipeline state; trial workers and production (`Profile.apply`) both call it
 Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
 and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
 fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
-moves to the device (so the device never holds the weights before they shrink); layout and the attention
+moves to the device (so the device never holds the weights before they are rewritten); layout and the attention
 implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
 change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
 final modules. What ordering cannot fix is forbidden in CONFLICTS, each rule with its reason.
@@ -180,23 +180,24 @@ def complete(config: Config) -> Config:
     return full
 
 
-# The knobs that rewrite weights into a smaller storage format. A config that sets one is built on
-# the host and reaches the device only in that format: loaded to the GPU first, the full-precision
-# weights would set the trial's peak (the caching allocator keeps their blocks, and the driver
-# counts them) and quantization could never bring a config under a budget.
-WEIGHT_REWRITES: tuple[Knob, ...] = (QUANTIZE, QUANTIZE_TEXT_ENCODERS, LAYERWISE_CASTING)
+# The knobs that rewrite weights: fused into new projections (the separate ones dropped), or put
+# into a smaller storage format. A config that sets one is built on the host and reaches the device
+# only rewritten: loaded to the GPU first, the weights as loaded would set the trial's peak (the
+# caching allocator keeps their blocks, and the driver counts them), and neither quantization nor
+# dropping the unfused projections could bring a config under a budget.
+WEIGHT_REWRITES: tuple[Knob, ...] = (FUSE_QKV, QUANTIZE, QUANTIZE_TEXT_ENCODERS, LAYERWISE_CASTING)
 _LAST_REWRITE = max(WEIGHT_REWRITES, key=APPLY_ORDER.index)
 
 
 def rewrites_weights(config: Config) -> bool:
-    """Whether a config stores some weights in a smaller format than its dtype."""
+    """Whether a config fuses weights or stores some in a smaller format than its dtype."""
     return any(config.get(k.name, k.default) != k.default for k in WEIGHT_REWRITES)
 
 
 def build_device(config: Config, target: Target) -> str:
     """Where to build the pipeline before apply_config: on the target device only when nothing
     has to happen to the weights on the host first (offload and placement hooks move them
-    themselves; quantization and fp8 storage shrink them on the way)."""
+    themselves; fusing, quantization and fp8 storage rewrite them on the way)."""
     if places_on_device(config) and not rewrites_weights(config):
         return target.device
     return "cpu"
@@ -208,8 +209,8 @@ def apply_config(pipe, config: Config, target: Target):
     if rewrites_weights(config) and pipe.device.type != "cpu":
         import warnings
 
-        warnings.warn(f"the pipeline is on {pipe.device} before its weights are quantized or cast to fp8: "
-                      "its full-precision weights were there first, so its peak memory will be higher than "
+        warnings.warn(f"the pipeline is on {pipe.device} before its weights are fused, quantized or cast to "
+                      "fp8: its weights as loaded were there first, so its peak memory will be higher than "
                       "the profile measured (load it on the CPU and let the configuration move it)",
                       stacklevel=2)
     for knob in APPLY_ORDER:
