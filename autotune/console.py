@@ -164,7 +164,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
             continue
         speedup = f"{base.latency_s / rec.latency_s:.2f}x" if base and base.latency_s else "-"
         cold = rec.result.get("cold_start_s")
-        p90 = rec.result.get("p90_s")
+        p90 = rec.p90_s
         table.add_row(
             label, f"{rec.latency_s:.3f} s", f"{p90:.3f} s" if p90 else "-",
             format_size(rec.peak_memory_bytes), format_size(budget_bytes - rec.peak_memory_bytes),

@@ -44,7 +44,7 @@ def _point(record, budget_bytes: int) -> dict:
         # with confirmations: the median over the config's trials and the highest peak of any
         "latency_s": record.latency_s,
         "latencies_s": record.latencies_s if record.confirmations else None,
-        "p90_s": r.get("p90_s"),
+        "p90_s": record.p90_s,  # with confirmations: the highest of its trials' p90s
         "calls": r.get("calls"),
         "peak_memory_bytes": record.peak_memory_bytes,
         "headroom_bytes": budget_bytes - record.peak_memory_bytes,  # left under the budget

@@ -118,7 +118,7 @@ class TrialRecord:
     duplicate_of: int | None = None
     violations: dict = field(default_factory=dict)  # {"memory": ..., "quality": ...}
     # Later measurements of the same config in fresh trials (confirm_contenders): each
-    # {"latency_s", "peak_memory_bytes", "status", "violation"}.
+    # {"latency_s", "p90_s", "peak_memory_bytes", "status", "violation"}.
     confirmations: list[dict] = field(default_factory=list)
 
     @property
@@ -137,6 +137,13 @@ class TrialRecord:
         if not self.confirmations:
             return self.result.get("latency_s")
         return statistics.median(self.latencies_s)
+
+    @property
+    def p90_s(self) -> float | None:
+        """The trial's p90 of its calls, or with confirmations the highest of its trials' p90s
+        (never below their median of medians, as one trial's p90 could be)."""
+        p90s = [x for x in [self.result.get("p90_s"), *(c.get("p90_s") for c in self.confirmations)] if x]
+        return max(p90s) if p90s else None
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -843,6 +850,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm) -> None:
             return  # the claim went to another worker, who measures this round again
         entry = {
             "latency_s": result.get("latency_s") if result["status"] == worker.OK else None,
+            "p90_s": result.get("p90_s") if result["status"] == worker.OK else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "status": result["status"],
             "violation": violation(result, req.budget_bytes, req.margin_bytes),

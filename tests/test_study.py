@@ -389,3 +389,11 @@ def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(
     trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
     assert trials[1].user_attrs.get("duplicate_of_running") == 2 and trials[1].state == TrialState.FAIL
     assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # measured once, after the twin died
+
+
+def test_a_confirmed_configs_p90_is_never_below_its_median():
+    # one trial's p90 (0.95 s) can lie below the median of the config's trials (1.0 s)
+    record = study.TrialRecord(0, baseline(), "ok", {"latency_s": 0.9, "p90_s": 0.95}, -1.0,
+                               confirmations=[{"latency_s": 1.0, "p90_s": 1.08}, {"latency_s": 1.1, "p90_s": None}])
+    assert record.latency_s == 1.0 and record.p90_s == 1.08
+    assert study.TrialRecord(1, baseline(), "ok", {"latency_s": 0.9, "p90_s": 0.95}, -1.0).p90_s == 0.95
