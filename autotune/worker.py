@@ -128,10 +128,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         result["load_s"] = time.perf_counter() - t_start
 
         def call():
-            generator = torch.Generator("cpu").manual_seed(workload.seed)
-            # The call production makes (pipelines run under no_grad themselves); numpy output
-            # lets the NaN check look at every value.
-            return pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
+            return workload.call(pipe)
 
         phase = "warm-up"
         warm_times, output = warm_up(call, device, min_calls=request["warmup"], max_calls=request["max_warmup"],
@@ -194,16 +191,18 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     return result
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
+def write_json(path: Path, data: dict, indent: int | None = None) -> None:
+    """Write JSON atomically (a temporary file, then a rename): a reader, or a run stopped
+    mid-write, sees the old file or the new one, never half of one."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
     os.replace(tmp, path)
 
 
 def main(argv: list[str], started: float = _T0, host_extra_bytes: int = 0) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
     result = run(json.loads(request_path.read_text()), started, host_extra_bytes)
-    _write_json(result_path, result)
+    write_json(result_path, result)
     return 0
 
 
@@ -223,12 +222,12 @@ def forked_main(request_path: str, result_path: str, log_path: str) -> None:
     if request["device"].startswith("cuda") and torch.cuda._is_in_bad_fork():
         # The server initialised CUDA while preloading (xFormers' import asks for the device's
         # capability), and a CUDA context does not survive fork: say so, not "Cannot re-initialize".
-        _write_json(Path(result_path), {
-            "status": UNSUPPORTED, "threads": request.get("threads"),
-            "error": "the fork launcher cannot run CUDA trials here: importing the libraries "
-                     "initialised CUDA in the fork server (xFormers does); use --launcher spawn"})
-        return
-    main([request_path, result_path], started, host_extra_bytes=unmapped)
+        result = {"status": UNSUPPORTED, "threads": request["threads"],
+                  "error": "the fork launcher cannot run CUDA trials here: importing the libraries "
+                           "initialised CUDA in the fork server (xFormers does); use --launcher spawn"}
+    else:
+        result = run(request, started, host_extra_bytes=unmapped)
+    write_json(Path(result_path), result)
 
 
 if __name__ == "__main__":

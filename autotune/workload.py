@@ -30,6 +30,15 @@ class Workload:
             kwargs["guidance_scale"] = self.guidance_scale
         return kwargs
 
+    def call(self, pipe):
+        """One call of `pipe` as trials time it: a fixed-seed generator, so every call makes the
+        same image; numpy output, so the NaN check sees every value. Pipelines run under no_grad
+        themselves."""
+        import torch
+
+        generator = torch.Generator("cpu").manual_seed(self.seed)
+        return pipe(**self.pipeline_kwargs(), generator=generator, output_type="np")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

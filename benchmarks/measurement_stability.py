@@ -55,9 +55,8 @@ def in_process_call(spec, configs, args):
     pipe.set_progress_bar_config(disable=True)
 
     def call() -> float:
-        generator = torch.Generator("cpu").manual_seed(workload.seed)
         start = time.perf_counter()
-        pipe(**workload.pipeline_kwargs(), generator=generator, output_type="np")
+        workload.call(pipe)
         return time.perf_counter() - start
 
     call()  # its cold call
