@@ -51,6 +51,7 @@ from autotune.fingerprint import machine, software
 from autotune.knobs import Target, changed, complete
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
+from autotune.worker import write_json
 from autotune.workload import Workload
 
 HERE = Path(__file__).resolve().parent
@@ -149,7 +150,7 @@ def measure_table(args) -> None:
             entry["load_average_1m"] = os.getloadavg()[0]
             table["configs"][config_key(config)] = entry
             table["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            _write_json(out, table)  # after every trial: a killed run resumes with --resume
+            write_json(out, table, indent=1)  # after every trial: a killed run resumes with --resume
             lat = entry.get("latency_s")
             peak = entry.get("peak_memory_bytes")
             print(f"[{i}/{len(todo)} {time.monotonic() - started:5.0f}s] {entry['status']:>13} "
@@ -159,12 +160,6 @@ def measure_table(args) -> None:
 
 def _short(config: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in changed(config).items()) or "baseline"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 # ---- replaying -----------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from pathlib import Path
 
 from autotune.cli import measurement_defaults, terminate_as_interrupt
 from autotune.console import config_changes  # how the CLI names a config's changes
+from autotune.worker import write_json
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -308,10 +309,7 @@ class Measurements:
         if key in self.results and not self.reuse:
             key = f"{key}#{time.time()}"  # --no-reuse: keep every measurement
         self.results[key] = stored
-        # atomically: a run stopped mid-write must not leave an index the next run cannot read
-        partial = self.index.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.results))
-        partial.replace(self.index)
+        write_json(self.index, self.results)  # atomically: a stopped run leaves a readable index
         return result
 
 
@@ -696,9 +694,7 @@ def paired_rounds(summary, tuned, rows, probe, workdir: Path, rounds: int, timeo
                         result = runner.run_trial(probe.trial_request(config, folder / "output.npy"), folder,
                                                   timeout_s=timeout_s, launcher=launcher)
                         done[done_key] = {k: result.get(k) for k in ("status", "latency_s")}
-                        partial = done_file.with_suffix(".json.partial")
-                        partial.write_text(json.dumps(done))
-                        partial.replace(done_file)
+                        write_json(done_file, done)
                     result = done[done_key]
                     if result["status"] == "ok":
                         times[who].append(result["latency_s"])
