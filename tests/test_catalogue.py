@@ -85,6 +85,7 @@ def test_tf32_and_cudnn_benchmark_set_the_process_flags():
     # The flags exist (and are settable) in a CPU build of torch too: this applies them for real.
     saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
     try:
+        torch.backends.cudnn.allow_tf32 = False  # torch's default is on: the knob must turn it on
         CATALOGUE["tf32"].apply(None, True, cuda("sdxl"), {})
         CATALOGUE["cudnn_benchmark"].apply(None, True, cuda("sdxl"), {})
         assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
@@ -375,6 +376,14 @@ def test_the_pipeline_moves_to_the_device_once_its_weights_are_rewritten(config)
     pipe.to = recording_to
     apply_config(pipe, config, cpu("sd15"))
     assert moves == [True]
+
+
+def test_quantize_runs_on_the_gpu_only_where_the_pipeline_will_live_there():
+    from autotune.knobs.quantize import _quantize_on
+
+    assert _quantize_on(cuda("sdxl"), {"dtype": "bfloat16"}) == "cuda"
+    assert _quantize_on(cuda("sdxl"), {"offload": "model"}) is None  # the hooks keep weights on the host
+    assert _quantize_on(cpu("sdxl"), {"dtype": "bfloat16"}) is None
 
 
 def test_a_pipeline_already_on_the_device_is_warned_about_before_it_is_quantized():

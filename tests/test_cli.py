@@ -140,6 +140,12 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     # why a simpler config was kept over a lower median, when it was (study.choose_best)
     resumed = yaml.safe_load((tmp_path / "tiny-sd15-8GB.yaml").read_text())  # rewritten by the resumed run
     assert ("choice: kept trial" in shown.stdout) == bool(resumed["study"]["choice"])
+    # whether the timing noise made this run keep a simpler config or not, show prints the reason
+    kept = "kept trial 0 (0 knobs changed, median 1.000 s) over trial 2 (...)"
+    (tmp_path / "kept.yaml").write_text(yaml.safe_dump(resumed | {"study": {**resumed["study"], "choice": kept}},
+                                                       sort_keys=False))
+    shown = cli("show", "kept.yaml")
+    assert shown.returncode == 0 and f"choice: {kept}" in shown.stdout, shown.stdout
 
     # Replayed in a fresh process through Profile.load_pipeline, as production runs it.
     replay = cli("verify", "tiny-sd15-8GB.yaml", "--repeats", "1")

@@ -168,3 +168,32 @@ def test_nvml_current_reads_the_same_source_as_the_peak(monkeypatch):
         time.sleep(0.001)
     peak.stop()
     assert peak.source == "nvml-process" and peak.current() == 900
+
+    fake = FakeNvml([(1000, None), (4000, None), (4000, None)])  # never listed: the device's figure
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    peak = NvmlPeak("GPU-x", interval_s=0.001)
+    while fake.i < 3:
+        time.sleep(0.001)
+    peak.stop()
+    assert peak.source == "nvml-device" and peak.current() == 3000
+
+
+def test_a_peak_polling_missed_is_reported_from_torchs_figures(monkeypatch):
+    # No NVIDIA driver or CUDA here: NVML is the script below, and torch.cuda's figures are
+    # stubbed to what a trial whose reserved memory peaked between two polls would report.
+    import torch
+
+    from autotune.measure import MemoryTracker
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([(1000, None), (1600, 600), (1600, 600)]))
+
+    class Props:
+        uuid = "x"
+
+    for name, value in {"reset_peak_memory_stats": None, "synchronize": None, "get_device_properties": Props(),
+                        "max_memory_allocated": 700, "max_memory_reserved": 900, "memory_reserved": 200}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    report = MemoryTracker("cuda").report()
+    # polling saw 600 at most; torch reserved 900 at its peak, and the driver holds 600 - 200 = 400 beyond it
+    assert report.nvml_sampled_peak_bytes == 600 and report.outside_torch_bytes == 400
+    assert report.peak_bytes == 1300 and report.source == "torch-reserved+outside"

@@ -151,6 +151,8 @@ def test_quantized_on_the_host_then_offloaded(choice):
     needs("quantize", choice)
     pipe = run({"dtype": "bfloat16", "quantize": choice, "offload": "model"})
     assert pipe.unet.device.type == "cpu"
+    assert any(type(m.weight).__module__.startswith("torchao") for m in pipe.unet.modules()
+               if isinstance(m, torch.nn.Linear))
 
 
 def test_text_encoders_in_int8_on_flux():
