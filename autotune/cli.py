@@ -420,21 +420,17 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     import os
     import subprocess
 
-    from .study import open_storage, prepare, summarize
     import optuna
 
+    from . import runner
     from .fingerprint import visible_gpus
+    from .study import open_storage, prepare, summarize
 
     # --gpus numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set
     visible = visible_gpus()
     names = {g: visible[g] if visible else str(g) for g in args.gpus}
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = names[args.gpus[0]]  # the set-up's reference runs here
-    prepare(request)
-    if saved is None:
-        del os.environ["CUDA_VISIBLE_DEVICES"]
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    with runner.environment(CUDA_VISIBLE_DEVICES=names[args.gpus[0]]):  # the set-up's reference runs here
+        prepare(request)
     rest = _without_option(argv, "--gpus")
     logs = request.workdir / "workers"
     logs.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ scripts and tests can read back what was drawn.
 from __future__ import annotations
 
 import html
-import os
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -767,16 +766,11 @@ def run_notebook(sources: str, notebook: str | Path = NOTEBOOK, out: str | Path 
     nb = nbformat.read(str(notebook), as_version=4)
     for source in extra_cells:
         nb.cells.append(nbformat.v4.new_code_cell(source))
-    previous = os.environ.get("AUTOTUNE_STUDIES")
-    os.environ["AUTOTUNE_STUDIES"] = sources  # the kernel inherits it
-    try:
+    from .runner import environment
+
+    with environment(AUTOTUNE_STUDIES=sources):  # the kernel inherits it
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(cwd or Path.cwd())}}).execute()
-    finally:
-        if previous is None:
-            os.environ.pop("AUTOTUNE_STUDIES", None)
-        else:
-            os.environ["AUTOTUNE_STUDIES"] = previous
     if out:  # the notebook as shipped, executed: without the extra cells
         shipped = nbformat.from_dict(nb)
         shipped.cells = nb.cells[: len(nb.cells) - len(extra_cells)]

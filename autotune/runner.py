@@ -13,6 +13,7 @@ Either way the child leads its own process group, so one killpg ends it and anyt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -26,6 +27,22 @@ from typing import Callable
 from . import worker
 
 LAUNCHERS = ("fork", "spawn")
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Environment variables that child processes started inside the block inherit; the old
+    values (or their absence) come back after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def default_launcher(device: str) -> str:

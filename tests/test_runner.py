@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -137,3 +139,13 @@ def test_classify_compile_errors():
         raise BackendCompilerFailed(lambda: None, RuntimeError("boom"), None)
     except Exception as exc:
         assert worker.classify(exc) == worker.COMPILE_ERROR
+
+
+def test_an_environment_block_puts_the_old_values_back(monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_TEST_SET", "before")
+    monkeypatch.delenv("AUTOTUNE_TEST_UNSET", raising=False)
+    with runner.environment(AUTOTUNE_TEST_SET="inside", AUTOTUNE_TEST_UNSET="inside"):
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['AUTOTUNE_TEST_SET'])"],
+                               capture_output=True, text=True)
+        assert child.stdout.strip() == "inside"  # what children started inside inherit
+    assert os.environ["AUTOTUNE_TEST_SET"] == "before" and "AUTOTUNE_TEST_UNSET" not in os.environ
