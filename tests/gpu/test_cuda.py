@@ -68,19 +68,22 @@ def test_a_cuda_trial_reports_driver_level_memory(tmp_path):
     result = runner.run_trial(request, tmp_path / "t", timeout_s=600)
     assert result["status"] == worker.OK, result.get("error")
     assert result["memory_source"] in ("nvml-process", "nvml-device", "torch-reserved+outside")
-    assert result["peak_memory_bytes"] >= result["torch_peak_reserved_bytes"] + result["outside_torch_bytes"]
+    # the driver's own figures reach the trial: the context beside torch's cache, and polled
+    # readings that saw more than the context alone (the weights)
     assert result["outside_torch_bytes"] > 0
+    assert result["nvml_sampled_peak_bytes"] > result["outside_torch_bytes"]
     print({k: result[k] for k in ("latency_s", "peak_memory_bytes", "nvml_sampled_peak_bytes",
                                   "torch_peak_reserved_bytes", "outside_torch_bytes", "memory_source")})
 
 
-def test_a_sequentially_offloaded_trial_counts_the_peaks_polling_can_miss(tmp_path):
-    # accelerate empties torch's cache after each weight it moves: the peak per layer is short.
+def test_a_sequentially_offloaded_trial_reports_both_bounds_of_its_peak(tmp_path):
+    # accelerate empties torch's cache after each weight it moves: the peak per layer is short,
+    # and polling may miss it (how the two figures combine: test_measure.py). What is printed
+    # says, on this GPU, whether polling missed it.
     spec = resolve_model("tiny-sdxl")
     request = worker.trial_request(spec, {"dtype": "float16", "offload": "sequential"}, spec.default_workload, "cuda")
     result = runner.run_trial(request, tmp_path / "t", timeout_s=600)
     assert result["status"] == worker.OK, result.get("error")
-    assert result["peak_memory_bytes"] >= max(result["nvml_sampled_peak_bytes"],
-                                              result["torch_peak_reserved_bytes"] + result["outside_torch_bytes"])
+    assert result["torch_peak_reserved_bytes"] > 0 and result["outside_torch_bytes"] > 0
     print({k: result[k] for k in ("peak_memory_bytes", "nvml_sampled_peak_bytes", "torch_peak_reserved_bytes",
                                   "outside_torch_bytes", "memory_source")})
