@@ -119,6 +119,19 @@ def test_fuse_qkv_drops_the_separate_projections_and_changes_no_output(family):
     assert count(knob) == unfused and np.array_equal(generate(knob, family), kept)
 
 
+def test_the_full_sdxl_unet_sheds_a_quarter_of_its_parameters_when_fused():
+    # The figure in drop_unfused_projections' docstring and the README, on SDXL's shipped
+    # architecture with its parameters on the meta device (no storage).
+    from autotune.knobs.layout import drop_unfused_projections
+    from autotune.models import MODEL_CONFIGS, _empty_model
+
+    unet = _empty_model("diffusers", "UNet2DConditionModel", MODEL_CONFIGS / "sdxl" / "unet" / "config.json")
+    unfused = sum(p.numel() for p in unet.parameters())
+    unet.fuse_qkv_projections()
+    assert drop_unfused_projections(unet) == 647_987_200 and unfused == 2_567_463_684
+    assert sum(p.numel() for p in unet.parameters()) == unfused
+
+
 def test_fuse_qkv_on_flux_fuses_the_transformer():
     pipe = build_tiny("flux", {"fuse_qkv": True})
     fused = [m for m in pipe.transformer.modules() if getattr(m, "fused_projections", False)]
