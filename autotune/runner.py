@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from . import worker
 
 LAUNCHERS = ("fork", "spawn")
@@ -139,7 +141,9 @@ def run_trial(
         workdir / "result.json",
         workdir / "worker.log",
     )
-    request_path.write_text(json.dumps(request))
+    # the child ends itself if this process dies without killing it (worker.end_with_parent)
+    parent = {"pid": os.getpid(), "started": psutil.Process().create_time()}
+    request_path.write_text(json.dumps({**request, "parent": parent}))
     result_path.unlink(missing_ok=True)
     started = time.perf_counter()
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)

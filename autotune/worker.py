@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -199,9 +201,39 @@ def write_json(path: Path, data: dict, indent: int | None = None) -> None:
     os.replace(tmp, path)
 
 
+def end_with_parent(parent: dict | None, every_s: float = 1.0) -> None:
+    """Kill this trial's process group once the parent that runs it is gone.
+
+    A trial leads a process group of its own (so that the parent's killpg reaches all of it), which
+    also keeps it alive when the parent is SIGKILLed: left alone it would go on using the GPU and
+    the cores while the resumed study measures other configs, and write into a trial folder the
+    resumed run reuses. `parent` is `{"pid", "started"}` (psutil's create time, so that a recycled
+    pid does not pass for the parent). The kernel's PR_SET_PDEATHSIG would do this for a spawned
+    child, but a forked trial's parent is the fork server, not the study."""
+    if not parent:
+        return
+    import psutil
+
+    def parent_alive() -> bool:
+        try:
+            process = psutil.Process(parent["pid"])
+            return process.create_time() == parent["started"] and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def watch():
+        while parent_alive():
+            time.sleep(every_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str], started: float = _T0, host_extra_bytes: int = 0) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    result = run(json.loads(request_path.read_text()), started, host_extra_bytes)
+    request = json.loads(request_path.read_text())
+    end_with_parent(request.get("parent"))
+    result = run(request, started, host_extra_bytes)
     write_json(result_path, result)
     return 0
 
@@ -219,6 +251,7 @@ def forked_main(request_path: str, result_path: str, log_path: str) -> None:
     import torch
 
     request = json.loads(Path(request_path).read_text())
+    end_with_parent(request.get("parent"))
     if request["device"].startswith("cuda") and torch.cuda._is_in_bad_fork():
         # The server initialised CUDA while preloading (xFormers' import asks for the device's
         # capability), and a CUDA context does not survive fork: say so, not "Cannot re-initialize".

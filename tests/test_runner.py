@@ -1,9 +1,11 @@
 """Trials in real child processes: measured, timed out, crashed, failed, classified; both launchers."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -67,6 +69,52 @@ def test_a_trial_over_its_time_limit_is_killed(tmp_path, launcher):
     result = runner.run_trial(request(), tmp_path / "t", timeout_s=1.0, tick_every_s=0.2, launcher=launcher)
     assert result["status"] == worker.TIMEOUT
     assert not trial_processes()
+
+
+PARENT = """
+import sys
+from dataclasses import replace
+from pathlib import Path
+from autotune import runner, worker
+from autotune.models import resolve_model
+spec = resolve_model("tiny-sd15")
+workload = replace(spec.default_workload, steps=500)  # minutes: it must not end on its own
+req = worker.trial_request(spec, {}, workload, "cpu", threads=1)
+runner.run_trial(req, Path(sys.argv[1]), timeout_s=600, launcher=sys.argv[2])
+"""
+
+
+@LAUNCHERS
+def test_a_trial_ends_when_its_parent_is_killed(tmp_path, launcher):
+    """A study SIGKILLed mid-trial (no chance to kill the trial's group) must not leave the trial
+    running on its own: it would hold the device and the cores while the resumed study measures."""
+    parent = psutil.Popen([sys.executable, "-c", PARENT, str(tmp_path / "t"), launcher])
+    trial = None
+    try:
+        deadline = time.monotonic() + 120
+        while trial is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            leaders = [c for c in parent.children(recursive=True) if _leads_its_group(c)]
+            if leaders and (tmp_path / "t" / "worker.log").exists():
+                trial = leaders[0]
+        assert trial is not None, "the trial never started"
+        time.sleep(2)  # into the pipeline's calls
+        assert trial.is_running()
+        parent.kill()
+        parent.wait()
+        gone, alive = psutil.wait_procs([trial], timeout=15)
+        assert not alive, "the trial outlived its parent"
+    finally:
+        for process in [parent, trial]:  # the trial, reparented once its parent died
+            with contextlib.suppress(psutil.NoSuchProcess, AttributeError):
+                process.kill()
+
+
+def _leads_its_group(process) -> bool:
+    try:
+        return os.getpgid(process.pid) == process.pid
+    except ProcessLookupError:
+        return False
 
 
 @LAUNCHERS
