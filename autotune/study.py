@@ -206,13 +206,18 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                storage = optuna.storages.RDBStorage(
                     url,
                     heartbeat_interval=HEARTBEAT_S,
                     grace_period=GRACE_S,
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
                         max_retry=MAX_RETRIES),
+                    # SQLite: a worker waits for another's write rather than fail at 5 s
+                    engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
                 )
+                if storage.engine.name == "sqlite":
+                    _serialize_sqlite_transactions(storage.engine)
+                return storage
         except IntegrityError:
             # Workers starting together on an empty PostgreSQL database race to create Optuna's
             # tables (duplicate key in pg_type); the loser finds them made a moment later.
@@ -220,6 +225,30 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
                 raise
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def _serialize_sqlite_transactions(engine) -> None:
+    """Make every SQLite transaction take the write lock when it begins (BEGIN IMMEDIATE).
+
+    Optuna hands a queued trial to a worker by reading that it is WAITING and then writing
+    RUNNING, under SELECT ... FOR UPDATE, which SQLite ignores: two workers sharing an SQLite
+    study (`--gpus`, or two commands) both read WAITING and both took the trial (40 queued
+    trials, 4 processes: 7 handed out twice), then measured one config in one trial folder
+    and one of them crashed telling a finished trial. With the lock taken at BEGIN the second
+    reader waits and sees RUNNING. Workers write a few rows a second, so waiting costs
+    milliseconds. The recipe is SQLAlchemy's for pysqlite (its docs, "Serializable isolation"):
+    keep the driver from issuing its own deferred BEGIN, issue ours."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _driver_begins_nothing(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners (Optuna's table check) go
 
 
 def _record(trial: optuna.Trial, memory: float, quality: float = 0.0) -> None:

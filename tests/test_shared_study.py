@@ -140,3 +140,42 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried_by_the_other(tmp_path, 
     assert retried[0].user_attrs["config_key"] == victim.user_attrs["config_key"]
     profile = yaml.safe_load((tmp_path / "killed.yaml").read_text())
     assert profile["study"]["trials"] >= 4
+
+
+POP_QUEUED = """
+import json, sys, time
+import optuna
+from autotune.study import open_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+study = optuna.load_study(study_name="race", storage=open_storage(sys.argv[1]))
+while time.time() < float(sys.argv[2]):
+    pass  # start together
+taken = []
+for _ in range(int(sys.argv[3])):
+    trial = study.ask()
+    if "fixed_params" in study._storage.get_trial(trial._trial_id).system_attrs:  # a queued one
+        taken.append(trial._trial_id)
+print(json.dumps(taken))
+"""
+
+
+def test_an_sqlite_study_hands_each_queued_trial_to_one_worker(tmp_path):
+    """Optuna takes a queued trial by reading WAITING, then writing RUNNING; SQLite ignores the
+    row lock meant to make that atomic, so without study._serialize_sqlite_transactions two
+    workers took the same trial (40 queued, 4 processes: 7 taken twice)."""
+    import json
+
+    from autotune.study import open_study
+
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    study, _ = open_study(url, "race")
+    for i in range(40):
+        study.enqueue_trial({"x": i})
+    start_at = str(time.time() + 8)  # after every process has imported optuna
+    workers = [subprocess.Popen([sys.executable, "-c", POP_QUEUED, url, start_at, "12"],
+                                stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    taken = [json.loads(w.communicate(timeout=300)[0]) for w in workers]
+    assert all(w.returncode == 0 for w in workers)
+    every = [trial_id for one in taken for trial_id in one]
+    assert len(every) == 40  # all were taken ...
+    assert len(set(every)) == len(every)  # ... each by one worker
