@@ -297,7 +297,9 @@ def _fail_stale_trials(study: optuna.Study) -> None:
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
         now = time.time()
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            beat = frozen.user_attrs.get("heartbeat_at") or frozen.datetime_start.timestamp()
+            # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the user
+            # attributes): its own start is the fresher sign of life until it beats itself.
+            beat = max(frozen.user_attrs.get("heartbeat_at", 0.0), frozen.datetime_start.timestamp())
             if now - beat < GRACE_S:
                 continue
             try:
@@ -739,21 +741,30 @@ def tune(
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue
             # its config again, so the same command resumes by measuring it first.
-            study.tell(trial, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
+            if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
+                study.tell(trial, state=TrialState.FAIL)
+                study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
             raise
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # A heartbeat found the trial given up: this process was paused past the grace period
+            # (Ctrl-Z, a frozen VM) and another worker failed it and queued its config again.
+            # The runner killed the child; the retry measures the config.
+            continue
         if min_psnr_db:
             result["quality"] = quality.assess(result, req.reference_path)
         if result.get("output"):  # the PNG stays; the full-precision array was only for assess
             Path(result.pop("output")).unlink(missing_ok=True)
-        trial.set_user_attr("result", result)
-        _record(
-            trial,
-            memory=violation(result, req.budget_bytes, req.margin_bytes),
-            quality=quality.violation(result.get("quality"), min_psnr_db),
-        )
-        latency = result.get("latency_s")
-        study.tell(trial, latency if result["status"] == worker.OK else math.inf)
+        try:
+            trial.set_user_attr("result", result)
+            _record(
+                trial,
+                memory=violation(result, req.budget_bytes, req.margin_bytes),
+                quality=quality.violation(result.get("quality"), min_psnr_db),
+            )
+            latency = result.get("latency_s")
+            study.tell(trial, latency if result["status"] == worker.OK else math.inf)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # given up as stale while it ran (above), where no heartbeat could say so
         measured_here += 1
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))

@@ -4,6 +4,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from autotune import study
 from autotune.knobs import Target, baseline
@@ -397,3 +398,53 @@ def test_a_confirmed_configs_p90_is_never_below_its_median():
                                confirmations=[{"latency_s": 1.0, "p90_s": 1.08}, {"latency_s": 1.1, "p90_s": None}])
     assert record.latency_s == 1.0 and record.p90_s == 1.08
     assert study.TrialRecord(1, baseline(), "ok", {"latency_s": 0.9, "p90_s": 0.95}, -1.0).p90_s == 0.95
+
+
+@pytest.mark.parametrize("storage", ["journal", "sqlite"])
+def test_a_worker_whose_trial_was_given_up_as_stale_goes_on(tmp_path, monkeypatch, storage):
+    """A worker paused past the grace period (Ctrl-Z, a frozen VM) finds on waking that another
+    worker failed its trial and queued the config again: it drops that trial and goes on (it
+    crashed telling a finished trial), and the config is measured by the retry."""
+    import optuna
+
+    monkeypatch.setattr(study, "GRACE_S", 1)
+    url = f"journal:{tmp_path / 'j.log'}" if storage == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    measured, paused = [], []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        if not paused:  # the first trial: paused, and given up by another worker meanwhile
+            paused.append(req["config"])
+            time.sleep(2.5)
+            other = optuna.load_study(study_name="s", storage=study.open_storage(url))
+            study._fail_stale_trials(other)
+            tick()  # the first heartbeat after waking
+        measured.append(req["config"])
+        return {"status": "ok", "latency_s": 1.0 + len(measured), "peak_memory_bytes": 500 * MiB}
+
+    outcome = study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=3, confirm_rounds=0),
+                         measure=measure)
+    given_up = [r for r in optuna.load_study(study_name="s", storage=study.open_storage(url)).trials
+                if r.state == optuna.trial.TrialState.FAIL]
+    assert len(given_up) == 1 and "result" not in given_up[0].user_attrs
+    assert len(outcome.records) == 3
+    retried = given_up[0].user_attrs["config_key"]
+    assert retried in [study.config_key(r.config) for r in outcome.records]  # measured by the retry
+
+
+def test_a_retried_journal_trial_is_not_stale_before_its_first_heartbeat(tmp_path, monkeypatch):
+    """Optuna's retry copies the dead trial's attributes, its old heartbeat_at among them: a
+    worker that took the retry must not see it failed as stale before its first heartbeat."""
+    import optuna
+
+    monkeypatch.setattr(study, "GRACE_S", 1)
+    url = f"journal:{tmp_path / 'j.log'}"
+    dead, _ = study.open_study(url, "s")
+    trial = dead.ask({"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])})
+    study._heartbeat(dead._storage, trial)  # then its worker dies
+    time.sleep(1.5)
+    alive = optuna.load_study(study_name="s", storage=study.open_storage(url))
+    study._fail_stale_trials(alive)  # queues the config again, with the old heartbeat_at
+    retry = alive.ask()
+    assert alive._storage.get_trial(retry._trial_id).user_attrs.get("heartbeat_at")  # inherited
+    study._fail_stale_trials(alive)  # another worker looks before the retry's first heartbeat
+    assert alive._storage.get_trial(retry._trial_id).state == optuna.trial.TrialState.RUNNING
