@@ -10,7 +10,9 @@ and validated, so a missing, corrupt, truncated or foreign file is one clear Pro
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ProfileError
+from .errors import ModelError, ProfileError
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -100,17 +102,76 @@ def build(req, outcome, storage_label: str) -> dict:
     }
 
 
-def save(document: dict, path: str | Path) -> Path:
-    """Write atomically: readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+def _why(exc: OSError) -> str:
+    """The reason an OSError gives, readable in one line."""
+    if isinstance(exc, FileExistsError):  # mkdir where a file has the folder's name
+        return "a file is in the way of a folder"
+    return exc.strerror or str(exc)
+
+
+def _new_file_mode() -> int:
+    """The mode open() would give a new file: 0o666 less the umask. Read from /proc where it can
+    be (os.umask can only be read by setting it, which races with other threads' files)."""
     try:
-        with os.fdopen(fd, "w") as f:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _folder_for(path: Path) -> None:
+    """Refuse a folder as the profile path, and create missing parent folders."""
+    if path.is_dir():
+        raise ProfileError(f"profile {path}: is a folder; name a file, such as {path / 'profile.yaml'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ProfileError(f"profile {path}: cannot create the folder {path.parent} ({_why(exc)})") from None
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early (before a search) when `save` could not write `path`: creates the missing parent
+    folders as save would, then a temporary file beside it, and removes that. ProfileError if not."""
+    path = Path(path)
+    _folder_for(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({_why(exc)})") from None
+    return path
+
+
+def save(document: dict, path: str | Path) -> Path:
+    """Write atomically: readers see the old file or the new one, never half of one. The file gets
+    the mode an overwritten profile had, else the one open() would give: a serving process running
+    as another user must be able to read it (mkstemp alone leaves 0600)."""
+    path = Path(path)
+    _folder_for(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = _new_file_mode()
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    except OSError as exc:
+        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({_why(exc)})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), mode)
             yaml.safe_dump(document, f, sort_keys=False)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ProfileError(f"profile {path}: cannot write it ({_why(exc)})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -211,11 +272,13 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     library versions differ from those it was measured on."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ProfileError(f"profile {path}: no such file") from None
     except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot read it ({exc.strerror})") from None
+        raise ProfileError(f"profile {path}: cannot read it ({_why(exc)})") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"profile {path}: not UTF-8 text (a binary or foreign file?)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -228,30 +291,80 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     return profile
 
 
+# Sections that must be mappings, and those that may be absent or null (written as None: the
+# quality guard off, no baseline measured; a file cut just after "study:" loads with it null).
+REQUIRED_MAPPINGS = ("model", "workload", "budget", "machine", "software")
+OPTIONAL_MAPPINGS = ("measurement", "study", "quality_guard", "baseline")
+# Point figures that are formatted as numbers where present (show, verify, report).
+OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs_baseline")
+
+
+def _is_number(value) -> bool:
+    """A real, finite number: not a bool (YAML's true is an int to Python), not text."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_point(point, where: str, path) -> None:
+    if not isinstance(point, dict):
+        raise ProfileError(f"profile {path}: {where} must be a mapping (a measured point), not {point!r:.40}")
+    missing = [k for k in POINT_KEYS if k not in point]
+    if missing:
+        raise ProfileError(f"profile {path}: a measured point lacks {', '.join(missing)}")
+    if not isinstance(point["config"], dict):
+        raise ProfileError(f"profile {path}: {where}.config must be a mapping of knob: value")
+    for key in ("latency_s", "peak_memory_bytes"):
+        if not _is_number(point[key]):
+            raise ProfileError(f"profile {path}: {where}.{key} must be a number, not {point[key]!r:.40}")
+    for key in OPTIONAL_POINT_NUMBERS:
+        if point.get(key) is not None and not _is_number(point[key]):
+            raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
+    try:
+        complete(point["config"])
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: {where}.config: {exc}") from None
+
+
 def validate(data, path) -> None:
     if not data:
         raise ProfileError(f"profile {path}: the file is empty")
     if not isinstance(data, dict) or "autotune_profile" not in data:
         raise ProfileError(f"profile {path}: not an autotune profile (no 'autotune_profile' key)")
     version = data["autotune_profile"]
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:  # true and 1.0 equal 1 in Python
         raise ProfileError(
-            f"profile {path}: format version {version!r}, this autotune reads version {FORMAT_VERSION}"
+            f"profile {path}: format version {version!r:.40}, this autotune reads version {FORMAT_VERSION}"
         )
-    for section in ("model", "workload", "budget", "machine", "software", "best", "pareto"):
+    for section in (*REQUIRED_MAPPINGS, "best", "pareto"):
         if section not in data or data[section] is None:
             raise ProfileError(f"profile {path}: section '{section}' is missing (truncated file?)")
+    for section in REQUIRED_MAPPINGS:
+        if not isinstance(data[section], dict):
+            raise ProfileError(f"profile {path}: section '{section}' must be a mapping, not {data[section]!r:.40}")
+    for section in OPTIONAL_MAPPINGS:
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ProfileError(
+                f"profile {path}: section '{section}' must be a mapping or null, not {data[section]!r:.40}"
+            )
+    if not isinstance(data["machine"].get("device"), str):
+        raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N)")
+    if not isinstance(data["pareto"], list) or not data["pareto"]:
+        raise ProfileError(f"profile {path}: 'pareto' must be a non-empty list of measured points")
+    budget = data["budget"]
+    if not _is_number(budget.get("memory_bytes")) or budget["memory_bytes"] <= 0:
+        raise ProfileError(f"profile {path}: budget.memory_bytes must be a positive number of bytes")
+    if budget.get("margin_bytes") is not None and not _is_number(budget["margin_bytes"]):
+        raise ProfileError(f"profile {path}: budget.margin_bytes must be a number or null")
+    _check_point(data["best"], "best", path)
+    if data.get("baseline") is not None:
+        _check_point(data["baseline"], "baseline", path)
+    for i, point in enumerate(data["pareto"]):
+        _check_point(point, f"pareto[{i}]", path)
     try:
         ModelSpec.from_dict(data["model"])
         Workload.from_dict(data["workload"])
-        int(data["budget"]["memory_bytes"])
-        parse_margin(data["budget"].get("margin", "0"), int(data["budget"]["memory_bytes"]))
-        for point in [data["best"], *data["pareto"]]:
-            missing = [k for k in POINT_KEYS if k not in point]
-            if missing:
-                raise ProfileError(f"profile {path}: a measured point lacks {', '.join(missing)}")
-            complete(point["config"])
-    except ProfileError:
-        raise
+        parse_margin(budget.get("margin", "0"), int(budget["memory_bytes"]))
+    except ModelError:
+        raise ProfileError(f"profile {path}: section 'model' is malformed (name, family, kind, "
+                           "pipeline_class, denoiser, default_workload)") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProfileError(f"profile {path}: malformed ({type(exc).__name__}: {exc})") from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -721,16 +722,29 @@ def overview_html(studies: list[StudyData]) -> str:
     return f"<ul>{''.join(items)}</ul>" + (f"<p>Notes:</p><ul>{note_html}</ul>" if note_html else "")
 
 
+@contextmanager
+def _writing(path: Path, what: str = "write it"):
+    """An OSError while writing `path` (a folder that cannot be made, a full disk) as one line."""
+    try:
+        yield
+    except FileExistsError:  # mkdir where a file has the folder's name
+        raise ReportError(f"report {path}: cannot {what} (a file is in the way)") from None
+    except OSError as exc:
+        raise ReportError(f"report {path}: cannot {what} ({exc.strerror or exc})") from None
+
+
 def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "autotune: compared studies") -> list[Path]:
     """Every chart as PNG in `out_dir`, and index.html showing them with the table of bests.
     Returns the files written, index.html last."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with _writing(out, "create the folder"):  # before drawing anything: an unusable --out fails at once
+        out.mkdir(parents=True, exist_ok=True)
     written = []
     sections = []
     for name, fig in figures(studies).items():
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
+        with _writing(path):
+            fig.savefig(path, dpi=DPI)
         written.append(path)
         sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n<img src="{path.name}" alt="{name}">')
         if name == "speedups":
@@ -743,7 +757,8 @@ def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "au
         + "\n".join(sections) + "\n</body></html>\n"
     )
     index = out / "index.html"
-    index.write_text(page)
+    with _writing(index):
+        index.write_text(page, encoding="utf-8")
     written.append(index)
     return written
 

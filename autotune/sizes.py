@@ -53,9 +53,24 @@ def format_size(size: int | None) -> str:
 
 
 def short_size(size: int) -> str:
-    """A file-name-friendly size: 8GB, 7.5GB, 512MB."""
-    for unit, factor in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if size >= factor:
-            value = size / factor
-            return f"{value:g}{unit}" if value == round(value, 1) else f"{value:.1f}{unit}"
+    """A file-name-friendly size that parses back to exactly `size` (profile and study names are
+    made from it, so two budgets must never share one): 8GB, 7.5GB, 1280MB, 8000MB.
+
+    GB with at most one decimal where that is exact, else whole MB; a size that is neither (typed
+    as 1.24GB, or in bytes) gets a longer form that still parses back to it."""
+    if size <= 0:
+        return f"{size}B"
+    # Preferred forms first, then longer ones; rounding once named 1.24GB and 1.25GB both 1.2GB.
+    attempts = [("GB", 2**30, 0), ("GB", 2**30, 1), ("MB", 2**20, 0)]
+    attempts += [(unit, factor, decimals) for decimals in (2, 3) for unit, factor in (("GB", 2**30), ("MB", 2**20))]
+    attempts += [("KB", 2**10, 0)]
+    for unit, factor, decimals in attempts:
+        if size < factor:
+            continue
+        number = f"{size / factor:.{decimals}f}"
+        if decimals:
+            number = number.rstrip("0").rstrip(".")
+        text = f"{number}{unit}"
+        if parse_size(text) == size:
+            return text
     return f"{size}B"

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from .errors import SpaceError
-from .knobs import CATALOGUE, Config, Target, baseline, conflict, matches
+from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, matches
 
 SHIPPED_DIR = Path(str(resources.files("autotune") / "search_spaces"))
 
@@ -69,8 +69,12 @@ class SearchSpace:
     @classmethod
     def from_file(cls, path: str | Path) -> "SearchSpace":
         knobs, forbid, seeds = _read_layers(Path(path), seen=())
-        return cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path),
-                   seeds=_forbid_rules(seeds, path, section="seeds"))
+        if not knobs:  # an empty or mistyped file would otherwise tune the baseline alone
+            raise SpaceError(f"search space {path}: it names no knobs (add 'knobs:' with knob: choices)")
+        space = cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path),
+                    seeds=_forbid_rules(seeds, path, section="seeds"))
+        space.check_allows_a_config()
+        return space
 
     @classmethod
     def for_model(cls, spec) -> "SearchSpace":
@@ -98,7 +102,10 @@ class SearchSpace:
                     kept.append(value)
             if len(kept) > 1:
                 dims.append(Dimension(dim.name, tuple(kept), dim.when))
-        return SearchSpace(dims, self.forbid, self.source, dropped, self.seeds, target.family)
+        space = SearchSpace(dims, self.forbid, self.source, dropped, self.seeds, target.family)
+        # with choices dropped, and the family's conflicts known, the rules may now leave nothing
+        space.check_allows_a_config(f" on {target.device} ({target.family})")
+        return space
 
     # ---- configs -------------------------------------------------------------------------------
     def normalize(self, partial: Config) -> Config:
@@ -156,8 +163,44 @@ class SearchSpace:
         """The number of raw grid points (before `when`, de-duplication and forbid rules)."""
         return math.prod(len(d.choices) for d in self.dimensions)
 
+    def allows_a_config(self) -> bool:
+        """Whether any config survives the forbid rules and known conflicts. A depth-first search
+        over the dimensions in order, as `normalize` fills them, that leaves a branch as soon as a
+        rule matches the knobs decided so far: `configs()` of a full space, whose baseline a rule
+        forbids, could walk millions of grid points to find the first allowed one, or none."""
+        position = {d.name: i for i, d in enumerate(self.dimensions)}
+        by_depth: dict[int, list[dict]] = {}  # rules whose knobs are all decided at that depth
+        for rule in [*self.forbid, *(rule for rule, _ in CONFLICTS)]:
+            depth = max((position[k] + 1 for k in rule if k in position), default=0)
+            by_depth.setdefault(depth, []).append(rule)
+        config = baseline()
+
+        def search(depth: int) -> bool:
+            if any(matches(rule, config, self.family) for rule in by_depth.get(depth, ())):
+                return False
+            if depth == len(self.dimensions):
+                return True
+            dim = self.dimensions[depth]
+            active = dim.when is None or matches(dim.when, config)
+            for value in dim.choices if active else (CATALOGUE[dim.name].default,):
+                config[dim.name] = value
+                if search(depth + 1):
+                    return True
+            config[dim.name] = CATALOGUE[dim.name].default
+            return False
+
+        return search(0)
+
+    def check_allows_a_config(self, where: str = "") -> None:
+        """SpaceError when the forbid rules (with the known conflicts) leave no config to measure:
+        a study would otherwise stop at once, with nothing measured."""
+        if not self.allows_a_config():
+            raise SpaceError(f"search space {self.source}: its 'forbid' rules and the known conflicts "
+                             f"leave no configuration to measure{where}, not even the baseline")
+
     def configs(self) -> "list[Config] | LargeGrid":
-        """Every distinct config this space allows, baseline first. A full GPU space holds
+        """Every distinct config this space allows, baseline first (never empty for a space from
+        `from_file` or `restrict`: they check `allows_a_config`). A full GPU space holds
         millions of grid points: above LARGE_GRID of them this is a LargeGrid, whose len() is
         the grid size (an upper bound) and whose configs are generated as they are read."""
         if self.grid_size() > LARGE_GRID:
@@ -211,9 +254,11 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
     if path in seen:
         raise SpaceError(f"search space {path}: 'extends' loops back to itself")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpaceError(f"search space {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpaceError(f"search space {path}: not UTF-8 text (a binary or foreign file?)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -228,15 +273,19 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
     knobs, forbid, seeds = {}, [], []
     if data.get("extends"):
         knobs, forbid, seeds = _read_layers(path.parent / str(data["extends"]), seen + (path,))
-    own = data.get("knobs") or {}
+    # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
+    own = {} if data.get("knobs") is None else data["knobs"]
     if not isinstance(own, dict):
+        if not own:  # `knobs: []`, `knobs: ""`
+            raise SpaceError(f"search space {path}: it names no knobs ('knobs' must be a mapping of "
+                             "knob: choices, such as {dtype: [float32, bfloat16]})")
         raise SpaceError(f"search space {path}: 'knobs' must be a mapping of knob: choices")
     knobs.update(own)
-    more = data.get("forbid") or []
+    more = [] if data.get("forbid") is None else data["forbid"]
     if not isinstance(more, list):
         raise SpaceError(f"search space {path}: 'forbid' must be a list of partial configs")
     if "seeds" in data:  # a file's own seeds replace the ones it extends
-        seeds = data["seeds"] or []
+        seeds = [] if data["seeds"] is None else data["seeds"]
         if not isinstance(seeds, list):
             raise SpaceError(f"search space {path}: 'seeds' must be a list of partial configs")
     return knobs, forbid + more, seeds
@@ -259,11 +308,24 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
             continue
         spec, when = knobs[name], None
         if isinstance(spec, dict):
-            if "choices" not in spec or set(spec) - {"choices", "when"}:
-                raise SpaceError(f"search space {path}: knob '{name}' takes 'choices' and 'when'")
-            spec, when = spec["choices"], spec.get("when")
+            unknown = sorted(map(str, set(spec) - {"choices", "when"}))
+            if unknown:
+                raise SpaceError(f"search space {path}: knob '{name}' takes 'choices' and 'when', "
+                                 f"not {', '.join(unknown)}")
+            if "choices" not in spec:
+                raise SpaceError(f"search space {path}: knob '{name}': the mapping form needs "
+                                 "'choices' (the values to try) beside 'when'")
+            if "when" not in spec:  # the mapping form is for conditional knobs only
+                listed = spec["choices"] if isinstance(spec["choices"], list) else [spec["choices"]]
+                raise SpaceError(
+                    f"search space {path}: knob '{name}': a mapping with 'choices' needs 'when' (the "
+                    f"condition to search it under); to search it always, write the list alone: "
+                    f"{name}: [{', '.join(map(str, listed))}]"
+                )
+            spec, when = spec["choices"], spec["when"]
             if not isinstance(when, dict) or not when:
-                raise SpaceError(f"search space {path}: knob '{name}': 'when' must be a mapping")
+                raise SpaceError(f"search space {path}: knob '{name}': 'when' must be a non-empty mapping "
+                                 f"of knob: value(s), such as {{dtype: bfloat16}}, not {when!r:.40}")
             for other, value in when.items():
                 for v in value if isinstance(value, list) else [value]:
                     _check_value(other, v, path)

@@ -1,6 +1,9 @@
 """The profile file: atomic writes, validation with one-line errors, fingerprints, choosing."""
 
 import copy
+import io
+import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from autotune import ProfileError, ProfileMismatchWarning, fingerprint, load_pro
 from autotune import profile as profile_io
 from autotune.knobs import baseline
 from autotune.models import resolve_model
+from helpers import run_cli
 
 GiB = 2**30
 
@@ -142,3 +146,146 @@ def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
     assert fingerprint._nvml_index("cuda") == 2 and fingerprint._nvml_index("cuda:1") == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert fingerprint.visible_gpus() == []  # no GPU visible at all
+
+
+# ---- writing: the mode, and one-line errors ------------------------------------------------------
+@pytest.fixture
+def umask():
+    """Set the process umask for one test, and put the old one back."""
+    old = os.umask(0o022)
+    yield lambda mask: os.umask(mask)
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_a_new_profile_gets_the_mode_open_would_give(tmp_path, umask, mask, mode):
+    # mkstemp made every profile 0600: a serving process running as another user could not read it
+    umask(mask)
+    path = profile_io.save(document(), tmp_path / "p.yaml")
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_an_overwritten_profile_keeps_its_mode(written, umask):
+    umask(0o077)
+    written.chmod(0o640)
+    profile_io.save(document(), written)
+    assert stat.S_IMODE(written.stat().st_mode) == 0o640
+
+
+def unwritable_paths(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    return [
+        (tmp_path, "is a folder"),  # -o /tmp
+        (tmp_path / "a-file" / "p.yaml", "a file is in the way"),  # a parent that is a file
+        (tmp_path / "a-file" / "sub" / "p.yaml", "Not a directory"),
+        (Path("/proc/autotune-test.yaml"), "cannot write in /proc"),  # a folder nothing can be made in
+    ]
+
+
+def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
+    for path, reason in unwritable_paths(tmp_path):
+        with pytest.raises(ProfileError) as exc:
+            profile_io.save(document(), path)
+        text = str(exc.value)
+        assert str(path) in text and reason in text and "\n" not in text, text
+        with pytest.raises(ProfileError) as exc:
+            profile_io.check_writable(path)
+        assert str(exc.value) == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no temporary file left
+
+
+def test_check_writable_makes_the_folders_and_leaves_nothing_else(tmp_path):
+    path = tmp_path / "new" / "deeper" / "p.yaml"
+    assert profile_io.check_writable(path) == path
+    assert path.parent.is_dir() and not list(path.parent.iterdir())
+    profile_io.save(document(), path)
+    assert profile_io.check_writable(path) == path and path.exists()  # overwriting is writing
+
+
+# ---- reading: wrong types are one line too -------------------------------------------------------
+def _set(section, key=None, value=None):
+    def mangle(doc):
+        if key is None:
+            doc[section] = value
+        else:
+            doc[section][key] = value
+    return mangle
+
+
+@pytest.mark.parametrize(
+    "mangle, message",
+    [
+        (_set("machine", value="cpu"), "section 'machine' must be a mapping"),
+        (_set("machine", value={}), "machine.device"),
+        (_set("machine", "device", 3), "machine.device"),
+        (_set("software", value=[]), "section 'software' must be a mapping"),
+        (_set("model", value="tiny-sd15"), "section 'model' must be a mapping"),
+        (_set("model", value={"name": "x"}), "section 'model' is malformed"),
+        (_set("workload", value=[64, 64]), "section 'workload' must be a mapping"),
+        (_set("budget", value="4GB"), "section 'budget' must be a mapping"),
+        (_set("budget", "memory_bytes", "4GB"), "budget.memory_bytes"),
+        (_set("measurement", value="x"), "section 'measurement' must be a mapping or null"),
+        (_set("study", value="x"), "section 'study' must be a mapping or null"),
+        (_set("quality_guard", value=[1]), "section 'quality_guard' must be a mapping or null"),
+        (_set("baseline", value="x"), "section 'baseline' must be a mapping or null"),
+        (_set("baseline", "latency_s", None), "baseline.latency_s must be a number"),
+        (_set("best", "latency_s", "fast"), "best.latency_s must be a number"),
+        (_set("best", "latency_s", True), "best.latency_s must be a number"),
+        (_set("best", "latency_s", float("nan")), "best.latency_s must be a number"),
+        (_set("best", "peak_memory_bytes", None), "best.peak_memory_bytes must be a number"),
+        (_set("best", "p90_s", "slow"), "best.p90_s must be a number or null"),
+        (_set("best", "config", ["dtype"]), "best.config must be a mapping"),
+        (_set("best", value=[1]), "best must be a mapping"),
+        (_set("pareto", value=[]), "'pareto' must be a non-empty list"),
+        (_set("pareto", value={"a": 1}), "'pareto' must be a non-empty list"),
+        (_set("pareto", value=["x"]), "pareto[0] must be a mapping"),
+        (_set("autotune_profile", value=True), "format version True"),
+        (_set("autotune_profile", value=1.0), "format version 1.0"),
+        (_set("autotune_profile", value="1"), "format version '1'"),
+    ],
+)
+def test_wrong_types_give_one_clear_line(tmp_path, mangle, message):
+    doc = document()
+    mangle(doc)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(path)
+    assert message in str(exc.value) and str(path) in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_profile_that_is_not_utf8_is_one_line(written):
+    written.write_bytes(written.read_bytes() + "# café\n".encode("latin-1"))
+    with pytest.raises(ProfileError, match="not UTF-8 text"):
+        load_profile(written)
+
+
+def show(profile) -> str:
+    from rich.console import Console
+
+    from autotune import console
+
+    out = Console(file=io.StringIO(), width=200)
+    console.print_profile(out, profile)
+    return out.file.getvalue()
+
+
+def test_optional_sections_may_be_null(tmp_path):
+    doc = document()
+    del doc["workload"]["batch_size"]  # has a default
+    doc.update(baseline=None, quality_guard=None, measurement=None, study=None)
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.threads is None and "batch 1" in show(profile)
+    # cut just after "study:": the rest is whole, so it loads, and shows
+    text = profile_io.save(document(), tmp_path / "cut.yaml").read_text()
+    (tmp_path / "cut.yaml").write_text(text[: text.index("study:") + len("study:")] + "\n")
+    assert "study: None" in show(load_profile(tmp_path / "cut.yaml"))
+
+
+def test_show_of_a_bad_profile_is_one_line(tmp_path):
+    doc = document()
+    doc["best"]["latency_s"] = "fast"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    proc = run_cli("show", "bad.yaml", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "autotune: error: profile bad.yaml: best.latency_s must be a number, not 'fast'"

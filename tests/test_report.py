@@ -10,6 +10,7 @@ import re
 import statistics
 import textwrap
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import optuna
 import pytest
@@ -296,3 +297,25 @@ def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     importances, note = report.knob_importance(study)
     assert importances == {} and "2 successful trial(s)" in note
     assert report.write_report([study], tmp_path / "out")[-1].name == "index.html"
+
+
+def test_a_report_folder_that_cannot_be_written_is_one_line(tmp_path):
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    (study,) = report.load(url)
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "taken" / "index.html").mkdir(parents=True)  # the charts fit, the page does not
+    for out, message in [
+        (tmp_path / "a-file", "cannot create the folder (a file is in the way)"),
+        (tmp_path / "a-file" / "sub", "cannot create the folder (Not a directory)"),
+        (Path("/proc/autotune-report"), "cannot create the folder"),
+        (tmp_path / "taken", "index.html: cannot write it (Is a directory)"),
+    ]:
+        with pytest.raises(report.ReportError) as exc:
+            report.write_report([study], out)
+        assert message in str(exc.value) and "\n" not in str(exc.value), exc.value
+    proc = run_cli("report", url, "--out", "/proc/autotune-report", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "autotune: error: report /proc/autotune-report: cannot create the folder (No such file or directory)"]

@@ -34,6 +34,26 @@ def test_formats_round_trip_for_file_names():
 
 @pytest.mark.parametrize(
     "text, expected",
+    [("8GB", "8GB"), ("2GB", "2GB"), ("1.5GB", "1.5GB"), ("7.5GiB", "7.5GB"), ("512MB", "512MB"),
+     ("1.25GB", "1280MB"), ("8000MiB", "8000MB"), ("2047MB", "2047MB"), ("1.2GB", "1.2GB"),
+     ("1.24GB", "1.24GB"), ("1.05GB", "1.05GB"), ("64KB", "64KB"), ("1000", "1000B")],
+)
+def test_short_sizes_are_exact(text, expected):
+    # Profile and study names are made from short_size: rounded, 1.24GB, 1.25GB and 1.2GB all
+    # became 1.2GB (one file for three budgets), and the README's 8000MiB became 7.8GB.
+    assert short_size(parse_size(text)) == expected
+
+
+def test_short_sizes_parse_back_to_the_same_bytes():
+    sizes = [2**30 + k for k in range(-3, 4)] + [n * 2**20 + k for n in (1, 999, 2047, 8000) for k in (0, 1, 1023)]
+    sizes += [int(x * 2**30) for x in (0.1, 1.05, 1.2, 1.24, 1.25, 3.3, 7.8, 11.99)]
+    names = [short_size(n) for n in sizes]
+    assert [parse_size(name) for name in names] == sizes
+    assert len(set(names)) == len(set(sizes))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
     [("5%", 2**30 // 20), ("0", 0), ("0%", 0), ("512MB", 512 * 2**20), ("12.5%", 2**30 // 8)],
 )
 def test_margin_is_a_share_of_the_budget_or_a_size(text, expected):

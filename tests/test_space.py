@@ -5,7 +5,7 @@ import pytest
 
 from autotune.errors import SpaceError
 from autotune.knobs import CATALOGUE, Target, baseline
-from autotune.space import SHIPPED_DIR, SearchSpace, config_key
+from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
 
 CPU_SDXL = Target(device="cpu", family="sdxl")
 
@@ -194,3 +194,89 @@ def test_shipped_seeds_measure_uncompiled_configs_before_compiled_ones(family):
     seeds = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").seeds
     cost = [{"none": 0, "default": 1}.get(s.get("compile", "none"), 2) for s in seeds]
     assert cost == sorted(cost), seeds
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("knobs: []\n", "names no knobs"),
+        ("knobs: {}\n", "names no knobs"),
+        ("forbid:\n  - {dtype: bfloat16}\n", "names no knobs"),
+        ("knobs:\n  quantize: {choices: [none, int8wo]}\n", "needs 'when'"),
+        ("knobs:\n  quantize: {choices: [none, int8wo]}\n", "quantize: [none, int8wo]"),
+        ("knobs:\n  quantize: {when: {dtype: bfloat16}}\n", "needs 'choices'"),
+        ("knobs:\n  quantize: {choices: [none], when: bfloat16}\n", "'when' must be a non-empty mapping"),
+        ("knobs:\n  quantize: {choices: [none], when: {dtype: bfloat16}, if: 1}\n", "not if"),
+        ("knobs:\n  dtype: [float32, bfloat16]\nforbid: [{dtype: bfloat16}, {dtype: float32}]\n",
+         "leave no configuration"),
+        ("knobs:\n  dtype: [float32, bfloat16]\n  quantize: {choices: [none, int8wo], when: {dtype: bfloat16}}\n"
+         "forbid: [{dtype: float32}, {quantize: none}, {quantize: int8wo}]\n", "leave no configuration"),
+    ],
+)
+def test_empty_and_unclear_spaces_give_one_clear_line(tmp_path, text, message):
+    with pytest.raises(SpaceError) as exc:
+        SearchSpace.from_file(write(tmp_path, text))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_space_of_baseline_values_only_is_allowed(tmp_path):
+    # "offload: [none]" says: do not search it. A space that searches nothing measures the
+    # baseline alone, as restrict() leaves a space whose choices cannot run here.
+    space = SearchSpace.from_file(write(tmp_path, "knobs:\n  offload: [none]\n"))
+    assert space.dimensions == [] and space.configs() == [baseline()]
+    # a rule against the baseline leaves the other configs: allowed
+    space = SearchSpace.from_file(write(tmp_path, "knobs:\n  dtype: [float32, bfloat16]\nforbid: [{dtype: float32}]\n"))
+    assert space.configs() == [{**baseline(), "dtype": "bfloat16"}]
+
+
+def test_rules_that_leave_nothing_runnable_here_fail_when_restricted(tmp_path):
+    path = write(tmp_path, "knobs:\n  dtype: [float32, bfloat16]\n  offload: [none, model]\nforbid: [{offload: none}]\n")
+    space = SearchSpace.from_file(path)  # offloaded configs are left, on a GPU
+    assert len(space.configs()) == 2
+    with pytest.raises(SpaceError, match="leave no configuration to measure on cpu"):
+        space.restrict(CPU_SDXL)  # a CPU drops offload
+
+
+def test_allows_a_config_agrees_with_listing_the_configs():
+    """The pruned search that finds whether any config is left, against the full enumeration, on
+    random small spaces with conditional knobs, random rules and the catalogue's conflicts."""
+    import random
+
+    rng = random.Random(0)
+    knobs = ["dtype", "fuse_qkv", "quantize", "channels_last", "attention", "vae_tiling"]
+    choices = {"dtype": ["float32", "bfloat16", "float16"], "fuse_qkv": [False, True],
+               "quantize": ["none", "int8wo", "int8dq"], "channels_last": [False, True],
+               "attention": ["sdpa", "sliced"], "vae_tiling": [False, True]}
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        dims = []
+        for name in [n for n in knobs if rng.random() < 0.6]:
+            when = {"dtype": rng.choice(["bfloat16", ["bfloat16", "float16"]])} if name == "quantize" and rng.random() < 0.5 else None
+            dims.append(Dimension(name, tuple(choices[name][: rng.randint(2, len(choices[name]))]), when))
+        forbid = []
+        for _ in range(rng.randint(0, 6)):
+            names = rng.sample(knobs, rng.randint(1, 2))
+            forbid.append({n: rng.choice(choices[n]) for n in names})
+        space = SearchSpace(dims, forbid, family=rng.choice([None, "sdxl", "flux"]))
+        expected = bool(list(space._iter_configs()))
+        assert space.allows_a_config() == expected, (dims, forbid)
+        seen[expected] += 1
+    assert min(seen.values()) > 20  # both outcomes were tried
+
+
+def test_shipped_spaces_allow_a_config_at_once():
+    import time
+
+    for name in ("default", "sdxl", "flux", "tiny-sdxl"):
+        space = SearchSpace.from_file(SHIPPED_DIR / f"{name}.yaml")
+        started = time.perf_counter()
+        assert space.allows_a_config()
+        assert time.perf_counter() - started < 0.5
+
+
+def test_a_space_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_bytes("knobs:\n  dtype: [float32, bfloat16]  # café\n".encode("latin-1"))
+    with pytest.raises(SpaceError, match="not UTF-8 text") as exc:
+        SearchSpace.from_file(path)
+    assert "\n" not in str(exc.value)
