@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -18,6 +19,15 @@ from pathlib import Path
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
 DEFAULT_STORAGE_DIR = Path("autotune-studies")
+# Height and width must be multiples of these, as each family's diffusers pipeline checks them
+# (check_inputs): UNet pipelines the VAE's 8x downsampling; SD3 that times the transformer's 2x2
+# patches (an error); Flux the same 16, where it only warns and resizes, so the trials would
+# measure another size than the profile records. Known per family: no pipeline needs building.
+PIXEL_MULTIPLE = {"sdxl": 8, "sd15": 8, "sd3": 16, "flux": 16}
+
+
+class UsageError(Exception):
+    """Bad usage that only shows once the model or budget is known: exit 2, as argparse's."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         # Let "--vram -1GB" reach the size parser (and its clear error) instead of argparse
         # taking "-1GB" for an option: argparse only treats plain numbers as negative values.
-        self._negative_number_matcher = re.compile(r"^-\d+(\.\d+)?[A-Za-z]*$")
+        # "%" too: "--margin -5%" gets the margin's error, not "expected one argument".
+        self._negative_number_matcher = re.compile(r"^-\d+(\.\d+)?[A-Za-z]*%?$")
 
     def error(self, message):  # one line, not argparse's usage block
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
@@ -55,6 +66,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):  # float() takes "nan" and "inf", and nan <= 0 is False
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
@@ -63,6 +76,9 @@ def _positive_float(text: str) -> float:
 def _margin(text: str) -> str:
     from .sizes import parse_margin
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"margin '{text}' is negative: it is memory kept free under "
+                                         "the budget (examples: 5%, 512MB, 0)")
     try:
         parse_margin(text, 2**30)  # checked here, turned into bytes once the budget is known
     except ValueError as exc:
@@ -77,6 +93,8 @@ def _min_psnr(text: str) -> str | float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a PSNR in dB (or 'auto')") from None
+    if not math.isfinite(value):  # nan < 0 is False: it would pass, and compare false with every PSNR
+        raise argparse.ArgumentTypeError(f"must be a finite number of dB (or 'auto'), got {text}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
     return value
@@ -210,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(argv[1:])
         return _tune(tune_parser().parse_args(argv), argv)
+    except UsageError as exc:
+        print(f"autotune: error: {exc} (see autotune --help)", file=sys.stderr)
+        return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -245,12 +266,15 @@ def _quiet_libraries() -> None:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao 0.18 registers its enums with torch 2.13's pytree, which warns at import that this
+    # is deprecated: a notice for torchao's developers, printed on every run that lists knobs
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 # ---- tune --------------------------------------------------------------------------------------
 def _resolve_device(name: str) -> str:
     from .errors import AutotuneError
-    from .fingerprint import cuda_available
+    from .fingerprint import cuda_available, cuda_device_count
 
     if name == "auto":
         return "cuda" if cuda_available() else "cpu"
@@ -259,6 +283,8 @@ def _resolve_device(name: str) -> str:
     if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if not cuda_available():
             raise AutotuneError(f"--device {name}: no CUDA GPU is usable here")
+        if name.startswith("cuda:") and int(name[5:]) >= cuda_device_count():
+            raise AutotuneError(f"--device {name}: no such GPU (GPUs usable here: {cuda_device_count()})")
         return name
     raise AutotuneError(f"--device {name}: expected cuda, cuda:N or cpu")
 
@@ -285,11 +311,11 @@ def _tune(args, argv: list[str]) -> int:
     from . import console, fingerprint
     from .errors import SpaceError
     from .knobs import Target
-    from .models import resolve_model
+    from .models import check_weights_here, resolve_model
     from .runner import default_launcher
     import torch
 
-    from .sizes import parse_margin, short_size
+    from .sizes import format_size, parse_margin, short_size
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
@@ -300,6 +326,7 @@ def _tune(args, argv: list[str]) -> int:
     workload = spec.default_workload
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
+    _check_image_size(spec, workload)
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
 
     if args.space is not None and not args.space.exists():
@@ -309,16 +336,27 @@ def _tune(args, argv: list[str]) -> int:
     if args.list_knobs:
         console.print_space(space, target)
         return 0
+    check_weights_here(spec)
 
     machine = fingerprint.machine(device)
     budget = args.budget or machine["memory_bytes"]
     margin = parse_margin(args.margin, budget)
+    if margin >= budget:  # no peak could fit: every trial would be measured for nothing
+        raise UsageError(f"--margin {args.margin} is not under the budget {format_size(budget)}: "
+                         "nothing could fit")
     threads = args.threads or torch.get_num_threads()
+    # The trials' files and compile cache live here even with --storage: check it before a trial.
+    _check_folder(DEFAULT_STORAGE_DIR)
     storage = args.storage or _default_storage()
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
     output = args.output or Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
+    if not args.no_profile:
+        # The profile is written after the search: a path that takes no file fails now, not then.
+        from .profile import check_writable
+
+        check_writable(output)
     workdir = DEFAULT_STORAGE_DIR / "trials" / study_name
 
     request = TuneRequest(
@@ -341,18 +379,47 @@ def _tune(args, argv: list[str]) -> int:
         with console.TrialProgress(out, request.trials) as progress:
             outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed)
     except KeyboardInterrupt:
-        out.print(f"interrupted: the measured trials are kept in {storage} (study "
-                  f"{study_name}); run the same command to resume")
+        _print_interrupted(storage, study_name)
         return EXIT_INTERRUPTED
     console.print_summary(out, outcome, budget, request.margin_bytes)
     if outcome.measured_here != len(outcome.records):
-        out.print(f"this worker measured {outcome.measured_here} of the study's "
-                  f"{len(outcome.records)} trials; other workers measured the rest")
+        out.print(f"this worker measured {outcome.measured_here} of the study's {len(outcome.records)} "
+                  "trials; the rest were measured by other workers sharing it, or by an earlier run")
     if args.no_profile:
         out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
                   f"--storage {storage}")
         return 0 if outcome.best else EXIT_NO_FIT
     return _write_profile(out, request, outcome, output)
+
+
+def _check_image_size(spec, workload) -> None:
+    """Height and width the pipeline takes, checked before the study: else every trial, and the
+    reference call first, fails inside diffusers' check_inputs."""
+    multiple = PIXEL_MULTIPLE[spec.family]
+    for name in ("height", "width"):
+        value = getattr(workload, name)
+        if value % multiple:
+            lower = value - value % multiple
+            near = f"{lower} or {lower + multiple}" if lower else str(multiple)
+            raise UsageError(f"--{name} {value}: {spec.name} ({spec.family}) takes multiples of "
+                             f"{multiple} pixels, such as {near}")
+
+
+def _check_folder(folder: Path) -> None:
+    """The folder exists, or can be made, and takes a new file: one line now, not a traceback when
+    the storage or the first trial writes there (run from /proc, a read-only mount)."""
+    import tempfile
+
+    from .errors import AutotuneError
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise AutotuneError(
+            f"cannot write {folder} in {Path.cwd()} ({exc.strerror}): autotune keeps its trials' "
+            "files there, and its default storage; run it from a writable folder") from None
 
 
 def _write_profile(out, request, outcome, output: Path) -> int:
@@ -363,6 +430,11 @@ def _write_profile(out, request, outcome, output: Path) -> int:
         smallest = outcome.smallest_peak_bytes
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
             "no trial completed a measurement"
+        if smallest and request.margin_bytes:
+            # a fit is peak plus margin within the budget: a peak under the budget may still miss
+            shown = format_size(request.margin_bytes)
+            seen += f" plus the margin of {request.margin} ({shown})" if str(request.margin).endswith("%") \
+                else f" plus the margin of {shown}"
         print(f"autotune: error: no configuration fits {format_size(request.budget_bytes)}: {seen}; "
               "no profile written", file=sys.stderr)
         return EXIT_NO_FIT
@@ -370,6 +442,11 @@ def _write_profile(out, request, outcome, output: Path) -> int:
     path = profile_io.save(document, output)
     out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
     return 0
+
+
+def _print_interrupted(storage: str, study_name: str) -> None:
+    print(f"autotune: interrupted: the measured trials are kept in {storage} (study {study_name}); "
+          "run the same command to resume", file=sys.stderr)
 
 
 def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
@@ -418,6 +495,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     without --gpus, with CUDA_VISIBLE_DEVICES naming its GPU, so its trials see that GPU alone;
     the study is set up (quality reference) once here first, and the profile written here last."""
     import os
+    import signal
     import subprocess
 
     import optuna
@@ -435,26 +513,42 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     logs = request.workdir / "workers"
     logs.mkdir(parents=True, exist_ok=True)
     workers = []
-    for gpu in args.gpus:
-        log = open(logs / f"gpu{gpu}.log", "wb")
-        command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
-                   request.study_name, "--storage", request.storage, "--no-profile"]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID")
-        workers.append((gpu, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)))
-        out.print(f"worker on GPU {gpu} started (log: {logs / f'gpu{gpu}.log'})")
     interrupted = False
+
+    def interrupt_workers():
+        # Ctrl-C or SIGTERM here (terminate_as_interrupt): each worker gets one SIGINT, stops
+        # as a single run does (its trial's group killed, the trial queued again) and exits.
+        for _, _, proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+
+    try:
+        for gpu in args.gpus:
+            log = open(logs / f"gpu{gpu}.log", "wb")
+            command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
+                       request.study_name, "--storage", request.storage, "--no-profile"]
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID")
+            # Their own session: a terminal's Ctrl-C reaches them only through interrupt_workers,
+            # once, as SIGTERM does; a second SIGINT could break a worker's own clean-up.
+            workers.append((gpu, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                       start_new_session=True)))
+            out.print(f"worker on GPU {gpu} started (log: {logs / f'gpu{gpu}.log'})")
+    except KeyboardInterrupt:
+        interrupted = True
+        interrupt_workers()
     for gpu, log, proc in workers:
         while True:
             try:
                 code = proc.wait()
                 break
-            except KeyboardInterrupt:  # the workers got the Ctrl-C too; let them keep their trials
-                interrupted = True
+            except KeyboardInterrupt:  # signalled already when repeated: keep waiting for them
+                if not interrupted:
+                    interrupted = True
+                    interrupt_workers()
         log.close()
         out.print(f"worker on GPU {gpu} ended (exit {code})")
     if interrupted:
-        out.print(f"interrupted: the measured trials are kept in {request.storage} (study "
-                  f"{request.study_name}); run the same command to resume")
+        _print_interrupted(request.storage, request.study_name)
         return EXIT_INTERRUPTED
     study = optuna.load_study(study_name=request.study_name, storage=open_storage(request.storage))
     outcome = summarize(study, f"{len(args.gpus)} workers done")
@@ -545,8 +639,24 @@ def _verify(out, profile, args) -> int:
     import tempfile
 
     from . import console, runner, worker
+    from .errors import AutotuneError
+    from .fingerprint import cuda_available
+    from .sizes import format_size, parse_margin
 
-    device = args.device or profile.data["machine"]["device"]
+    # The device is checked here, as Profile._target does when serving: else the replay fails
+    # inside torch (an unknown name, or CUDA absent) after a costly start.
+    recorded = profile.data["machine"]["device"]
+    if args.device:
+        device = _resolve_device(args.device)
+    elif recorded.startswith("cuda") and not cuda_available():
+        raise AutotuneError(f"profile {args.profile} was measured on {recorded}, and no CUDA GPU is "
+                            "usable here; replay it on the CPU with --device cpu")
+    else:
+        try:
+            device = _resolve_device(recorded)
+        except AutotuneError as exc:  # its words name --device, which was not given
+            raise AutotuneError(f"profile {args.profile} was measured on {recorded}: "
+                                f"{str(exc).split(': ', 1)[1]}; pick one with --device") from None
     measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
     request = worker.trial_request(
         profile.model, profile.config, profile.workload, device, profile=args.profile,
@@ -557,14 +667,21 @@ def _verify(out, profile, args) -> int:
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts
         result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")
-    fits = console.print_verification(out, profile, result)
-    if result["status"] != "ok":
+    # A fit as Profile.choose judges one: the peak plus the profile's margin within its budget.
+    # No verdict (None) when the replay failed: it measured no peak.
+    budget = profile.budget_bytes
+    margin = parse_margin(profile.margin, budget)
+    peak = result.get("peak_memory_bytes") or 0
+    fits = peak + margin <= budget if result["status"] == worker.OK else None
+    console.print_verification(out, profile, result, fits=fits, margin_bytes=margin)
+    if fits is None:
         print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",
               file=sys.stderr)
         return EXIT_ERROR
     if not fits:
-        print("autotune: error: the replayed peak memory is above the profile's budget",
-              file=sys.stderr)
+        print(f"autotune: error: the replayed peak memory ({format_size(peak)}) plus the profile's "
+              f"margin ({profile.margin}, {format_size(margin)}) is above the profile's budget "
+              f"({format_size(budget)})", file=sys.stderr)
         return EXIT_NO_FIT
     return 0
 

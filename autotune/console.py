@@ -185,8 +185,10 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
 
 
-def print_verification(out: Console, profile, result: dict) -> bool:
-    """Recorded against replayed figures; True when the replay stayed within the budget."""
+def print_verification(out: Console, profile, result: dict, fits: bool | None = None,
+                       margin_bytes: int = 0) -> None:
+    """Recorded against replayed figures, and the verdict cli.py computed: whether the replayed
+    peak plus the profile's margin is within its budget (None: the replay failed, no verdict)."""
     best, budget = profile.best, profile.budget_bytes
     table = Table(title=f"replay of {profile.path} ({result.get('status')})")
     for col in ("", "recorded", "replayed", "replayed / recorded"):
@@ -201,20 +203,20 @@ def print_verification(out: Console, profile, result: dict) -> bool:
         ratio = f"{new / old:.3f}" if old and new else "-"
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)
+    if fits is None:
+        return
     peak = result.get("peak_memory_bytes") or 0
-    fits = peak <= budget
-    out.print(f"budget {format_size(budget)}: replayed peak {format_size(peak)} "
+    out.print(f"budget {format_size(budget)}, margin {profile.margin}: replayed peak {format_size(peak)} "
               + ("fits" if fits else "DOES NOT FIT")
-              + f" ({format_size(budget - peak)} left)" * fits)
-    return fits
+              + f" ({format_size(budget - margin_bytes - peak)} left beyond the margin)" * fits)
 
 
 def print_profile(out: Console, profile) -> None:
     d = profile.data
-    m, w = d["model"], d["workload"]
+    m, w = profile.model, profile.workload  # with their defaults (batch_size may be left out)
     out.print(f"profile {profile.path}")
-    out.print(f"  model: {m['name']} ({m['kind']}, {m['family']})  workload: {w['height']}x{w['width']}, "
-              f"{w['steps']} steps, batch {w['batch_size']}")
+    out.print(f"  model: {m.name} ({m.kind}, {m.family})  workload: {w.height}x{w.width}, "
+              f"{w.steps} steps, batch {w.batch_size}")
     budget = d["budget"]
     out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
               f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
@@ -234,7 +236,7 @@ def print_profile(out: Console, profile) -> None:
         table.add_row(str(p.get("trial", "")), f"{p['latency_s']:.3f} s",
                       format_size(p["peak_memory_bytes"]), config_changes(p["config"]))
     out.print(table)
-    s = d.get("study", {})
+    s = d.get("study") or {}  # optional, and null in a file cut just after "study:"
     out.print(f"  study: {s.get('name')} in {s.get('storage')}: {s.get('trials')} trials, "
               f"{s.get('infeasible')} infeasible")
 

@@ -206,6 +206,14 @@ def _random_aliases() -> list[str]:
     return [name for name in ALIASES if (MODEL_CONFIGS / name).is_dir()]
 
 
+def check_weights_here(spec: ModelSpec) -> None:
+    """ModelError, with the way out, when a pretrained model's weights are not in the local cache:
+    an alias resolves without looking (--list-knobs needs only its family), a study must not
+    start and fail in its first call."""
+    if spec.kind == "pretrained" and not Path(spec.source).is_dir():
+        _from_hub_cache(spec.source)
+
+
 def _from_hub_cache(hub_id: str) -> ModelSpec:
     from huggingface_hub import try_to_load_from_cache
 

@@ -325,3 +325,243 @@ def test_a_killed_parent_leaves_a_trial_that_the_next_run_retries(tmp_path, monk
     assert retried and retried[0].state == optuna.trial.TrialState.COMPLETE
     assert retried[0].params == trials[running].params
     assert len(study_trials(tmp_path)) == 3
+
+
+# ---- bad values caught before any trial -----------------------------------------------------------
+# A short, cheap run after each bad value: where an old parser let it through, the test fails on a
+# finished run (exit 0 or 3) instead of after a full default study.
+CHEAP = ["--model", "tiny-sd15", "--space", "small.yaml", "--trials", "1", "--confirm", "0", "--min-psnr", "0",
+         "--repeats", "1", "--height", "64", "--width", "64", "--steps", "1"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--margin", "-5%"], "margin '-5%' is negative"),  # argparse took it for an option
+        (["--margin", "-512MB"], "margin '-512MB' is negative"),
+        (["--spread", "nan"], "must be a finite number"),
+        (["--timeout", "nan"], "must be a finite number"),
+        (["--trial-timeout", "inf"], "must be a finite number"),
+        (["--min-psnr", "nan"], "must be a finite number"),
+        (["--vram", "2GB", "--margin", "3GB"], "--margin 3GB is not under the budget 2.00 GiB"),
+        (["--vram", "2GB", "--margin", "2GB"], "--margin 2GB is not under the budget 2.00 GiB"),
+        (["--height", "63"], "--height 63: tiny-sd15 (sd15) takes multiples of 8 pixels, such as 56 or 64"),
+        (["--model", "tiny-sd3", "--width", "72"], "--width 72: tiny-sd3 (sd3) takes multiples of 16"),
+        (["--model", "tiny-flux", "--height", "8"], "--height 8: tiny-flux (flux) takes multiples of 16 pixels, such as 16"),
+    ],
+    ids=["negative-percent-margin", "negative-size-margin", "nan-spread", "nan-timeout", "inf-trial-timeout",
+         "nan-min-psnr", "margin-over-budget", "margin-equal-budget", "height-63", "sd3-width-72", "flux-height-8"],
+)
+def test_bad_values_are_usage_errors_before_any_trial(cli, tmp_path, args, message):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli(*CHEAP, *args)
+    assert message in one_line_error(proc)
+    assert proc.returncode == 2, proc.stderr
+    assert not (tmp_path / "autotune-studies").exists()  # nothing was set up, let alone measured
+
+
+# ---- places that take no file ----------------------------------------------------------------------
+@pytest.mark.parametrize("storage", [[], ["--storage", "sqlite:///{tmp}/s.db"]], ids=["default-storage", "own-storage"])
+def test_an_unwritable_working_folder_is_one_line(tmp_path, storage):
+    """/proc takes no folder: the default storage and, with any --storage, the trials' files
+    (autotune-studies/trials) could not be written."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = [a.replace("small.yaml", str(tmp_path / "small.yaml")) for a in CHEAP]
+    proc = run_cli(*args, *[a.format(tmp=tmp_path) for a in storage], cwd="/proc")
+    line = one_line_error(proc)
+    assert proc.returncode == 1
+    assert "cannot write autotune-studies in /proc" in line and "run it from a writable folder" in line
+
+
+@pytest.mark.parametrize("output, words", [("afile/p.yaml", ["afile", "in the way"]), ("/proc/p.yaml", ["/proc"]),
+                                           (".", ["is a folder"])],
+                         ids=["file-in-the-way", "proc", "a-folder"])
+def test_an_unwritable_profile_path_is_refused_before_the_first_trial(cli, tmp_path, output, words):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    (tmp_path / "afile").write_text("")
+    proc = cli(*CHEAP, "-o", output)
+    line = one_line_error(proc)
+    assert proc.returncode == 1
+    assert line.startswith(f"autotune: error: profile {output}: ") and all(w in line for w in words), line
+    assert not list(tmp_path.glob("autotune-studies/trials/*/trial-*"))  # no trial measured first
+
+
+# ---- verify ------------------------------------------------------------------------------------------
+def write_profile(path, device="cpu", budget="2GB", margin="5%"):
+    """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it."""
+    from autotune import fingerprint
+    from autotune.models import resolve_model
+    from autotune.sizes import parse_margin, parse_size
+    from autotune.workload import Workload
+
+    spec = resolve_model("tiny-sd15")
+    workload = Workload(**{**spec.default_workload.to_dict(), "height": 64, "width": 64, "steps": 1})
+    budget_bytes = parse_size(budget)
+    point = {"trial": 0, "config": {}, "latency_s": 0.1, "peak_memory_bytes": 400 * 2**20}
+    path.write_text(yaml.safe_dump({
+        "autotune_profile": 1, "model": spec.to_dict(), "workload": workload.to_dict(),
+        "budget": {"memory_bytes": budget_bytes, "margin": margin, "margin_bytes": parse_margin(margin, budget_bytes)},
+        "measurement": {"threads": 1, "timed_calls_max": 3, "spread_limit": 0.5},
+        "machine": {**fingerprint.machine("cpu"), "device": device}, "software": fingerprint.software(),
+        "best": point, "pareto": [point],
+    }, sort_keys=False))
+    return path
+
+
+def _no_cuda():
+    from autotune.fingerprint import cuda_available
+
+    return not cuda_available()
+
+
+@pytest.mark.parametrize(
+    "device, args, message",
+    [
+        ("cpu", ["--device", "gpu"], "--device gpu: expected cuda, cuda:N or cpu"),
+        pytest.param("cuda", [], "measured on cuda, and no CUDA GPU is usable here; replay it on the CPU with "
+                     "--device cpu", marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
+        pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here",
+                     marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
+    ],
+    ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda"],
+)
+def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message):
+    write_profile(tmp_path / "p.yaml", device=device)
+    proc = cli("verify", "p.yaml", *args)
+    assert proc.returncode == 1
+    assert message in one_line_error(proc)
+    assert "replayed peak" not in proc.stdout  # no verdict: nothing was replayed
+
+
+@pytest.mark.slow
+def test_verify_judges_the_fit_with_the_profile_margin_and_not_a_failed_replay(cli, tmp_path):
+    # tiny-sd15 replays at 64x64 with a peak of about 500 MiB (a fresh interpreter, torch loaded):
+    # within 2 GiB, but not with 1800 MiB of it kept free, as Profile.choose would keep it
+    write_profile(tmp_path / "tight.yaml", budget="2GB", margin="1800MB")
+    proc = cli("verify", "tight.yaml", "--repeats", "1")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "DOES NOT FIT" in proc.stdout and "margin 1800MB" in proc.stdout
+    assert "plus the profile's margin (1800MB, 1.76 GiB) is above the profile's budget (2.00 GiB)" in one_line_error(proc)
+
+    write_profile(tmp_path / "roomy.yaml", budget="2GB", margin="5%")
+    proc = cli("verify", "roomy.yaml", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "margin 5%: replayed peak" in proc.stdout and " fits (" in proc.stdout
+
+    # a replay that measured nothing (killed at once) gets the failure, and no fit verdict
+    proc = cli("verify", "roomy.yaml", "--trial-timeout", "0.5")
+    assert proc.returncode == 1
+    assert "the replay failed: timeout" in one_line_error(proc)
+    assert "replayed peak" not in proc.stdout and "fits" not in proc.stdout
+
+
+# ---- what a run says -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_no_fit_because_of_the_margin_names_the_margin(cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    # peaks of about 500 MiB: under 2 GiB, but not with 1800 MiB of it kept free
+    proc = cli(*CHEAP, "--vram", "2GB", "--margin", "1800MB")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    line = one_line_error(proc)
+    assert "no configuration fits 2.00 GiB: the smallest peak memory measured was" in line
+    assert "MiB plus the margin of 1.76 GiB; no profile written" in line
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_says_so_on_stderr_and_its_resume_names_the_earlier_run(tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "2", "--confirm", "0",
+            "--min-psnr", "0", "--repeats", "3", "--height", "64", "--width", "64", "--steps", "1"]
+    # --spread 0.0001: every trial makes --max-calls timed calls, so the second is still running
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args, "--max-calls", "20", "--spread", "0.0001"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_second_measured_trial(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "run the same command to resume" in err and "run the same command to resume" not in out
+    assert "Traceback" not in err
+
+    done = run_cli(*args, cwd=tmp_path)  # resumed: measures the interrupted trial, queued again
+    assert done.returncode == 0, done.stderr
+    assert "this worker measured 1 of the study's 2 trials" in done.stdout
+
+
+# ---- --gpus ----------------------------------------------------------------------------------------------
+# Two GPUs faked for `autotune --gpus 0,1` (the parent, its workers and their trials read it):
+# the GPU checks pass, and every trial runs on the CPU.
+FAKE_GPUS = """
+import os
+if os.environ.get("AUTOTUNE_FAKE_GPUS"):
+    import autotune.cli as cli
+    import autotune.fingerprint as fp
+
+    real_machine = fp.machine
+    fp.cuda_device_count = lambda: 2
+    fp.visible_gpus = lambda: None
+    fp.machine = lambda device: real_machine("cpu")
+    fp.capability = lambda device: None
+    cli._resolve_device = lambda name: "cpu"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
+    """SIGTERM reaches the parent alone: it must stop its workers. Ctrl-C in a terminal reaches
+    the parent's whole process group: each worker must still get one SIGINT, not two (a second
+    could break its own clean-up)."""
+    (tmp_path / "fakegpu").mkdir()
+    (tmp_path / "fakegpu" / "sitecustomize.py").write_text(FAKE_GPUS)
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", AUTOTUNE_FAKE_GPUS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "fakegpu"), os.environ.get("PYTHONPATH")])))
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "8", "--confirm", "0",
+            "--min-psnr", "0", "--repeats", "3", "--max-calls", "20", "--spread", "0.0001",
+            "--height", "64", "--width", "64", "--steps", "1", "--gpus", "0,1"]
+    # its own process group, as a shell gives a foreground job; SIGINT at its default there
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for_second_measured_trial(tmp_path)
+        assert proc.poll() is None
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out
+        assert "run the same command to resume" in out and "Traceback" not in out
+        # each worker stopped as an interrupted run does; the old parent let them finish the study
+        assert out.count("ended (exit 130)") == 2, out
+        for log in tmp_path.glob("autotune-studies/trials/*/workers/gpu*.log"):
+            assert "Traceback" not in log.read_text(), log.read_text()
+        # a worker's fork server started just before the signal exits once it has imported torch
+        # and diffusers (it reads its client's exit only then): seconds on a loaded machine
+        assert not processes_left_in(tmp_path, wait_s=60)  # workers, their fork servers and trials
+        states = [t.state for t in all_trials(tmp_path)]
+        assert optuna.trial.TrialState.RUNNING not in states
+        assert optuna.trial.TrialState.WAITING in states  # an interrupted trial, queued again
+    finally:
+        for left in processes_left_in(tmp_path, wait_s=0):  # what this test started, if it failed
+            left.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_model_alias_not_in_the_cache_fails_before_any_trial(cli, tmp_path, monkeypatch):
+    """`--model sdxl` resolves without looking at the cache (--list-knobs needs only the family);
+    a study must say at once that the weights are missing, not after its first call fails."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    started = time.monotonic()
+    proc = cli("--model", "sdxl", "--vram", "8GB", "--min-psnr", "0")
+    line = one_line_error(proc)
+    assert "is not in the local Hugging Face cache" in line and "--model sdxl --random-weights" in line
+    assert "--min-psnr 0" not in line  # the old hint, wrong with the guard already off
+    assert not (tmp_path / "autotune-studies" / "trials").exists()  # no trial started
+    assert time.monotonic() - started < 60
+    assert cli("--model", "sdxl", "--list-knobs").returncode == 0  # the space needs no weights
