@@ -457,9 +457,10 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
     if result["status"] != worker.OK:
+        hint = "; --min-psnr 0 tunes without the quality guard" if req.min_psnr_db else ""
         raise AutotuneError(
             f"the reference output (float32, nothing enabled) could not be generated: "
-            f"{result['status']}: {result.get('error', '')}; --min-psnr 0 tunes without the quality guard"
+            f"{result['status']}: {result.get('error', '')}{hint}"
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
              "float32_call_s": result.get("latency_s"), "float32_peak_bytes": result.get("peak_memory_bytes")}
@@ -504,6 +505,23 @@ def _request_attr(req: TuneRequest) -> dict:
     }
 
 
+# What a study's measurements mean: a worker or a resumed run that asks for another of these
+# would mix incomparable trials, or judge them against another budget (their feasibility is stored
+# with them). The timing loop's settings (repeats, spread) only change precision: they may differ.
+DEFINING = ("model", "workload", "budget_bytes", "margin_bytes", "device", "threads", "min_psnr_db")
+
+
+def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
+    held = study.user_attrs.get("request")
+    if not held:
+        return
+    differ = [k for k in DEFINING if k in held and held[k] != asked[k]]
+    if differ:
+        shown = "; ".join(f"{k} {held[k]} there, {asked[k]} here" for k in differ)
+        raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
+                            "its trials do not mix with these; use another --study-name")
+
+
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:
     """The request a stored study was measured under (for writing its profile anywhere)."""
     from .models import ModelSpec
@@ -539,6 +557,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
         if not held:
             study.set_user_attr("hardware", req.hardware)
             study.set_user_attr("machine", req.machine)
+    _refuse_another_request(study, _request_attr(req))
     study.set_user_attr("request", _request_attr(req))
     space = req.space
     if created:
@@ -770,7 +789,8 @@ def tune(
             on_trial(record_of(study.trials[trial.number]))
 
     if req.confirm_rounds:
-        confirm_contenders(req, study, measure, on_confirm)
+        deadline = started + req.timeout_s if req.timeout_s is not None else None
+        confirm_contenders(req, study, measure, on_confirm, deadline)
     outcome = summarize(study, reason)
     outcome.quality_guard = guard if min_psnr_db else None
     outcome.seed_note = study.user_attrs.get("seed_note")
@@ -802,6 +822,14 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
     base = outcome.baseline
     if base and base.feasible and first(base) <= limit and base.number not in {r.number for r in chosen}:
         chosen.append(base)
+    # Measured again, contenders' figures rise (the lowest of many noisy measurements is biased
+    # low): a config left out on its one figure may now beat them all. It is measured again too,
+    # else it would sit on the profile's Pareto front faster than the pick on evidence that
+    # confirmation discounted, and a smaller budget would pick it.
+    medians = [r.latency_s for r in chosen if r.confirmations]
+    if medians:
+        taken = {r.number for r in chosen}
+        chosen += [r for r in feasible if r.number not in taken and first(r) < min(medians)]
     return chosen
 
 
@@ -842,6 +870,7 @@ def confirm_contenders(
     study: optuna.Study,
     measure: Measure,
     on_confirm: Callable[[TrialRecord, dict], None] | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Measure the contenders again in fresh trials, `req.confirm_rounds` times each, in
     alternation so that a drift of the machine hits them alike. The study's pick is then made on
@@ -851,24 +880,29 @@ def confirm_contenders(
     so an interrupted confirmation resumes where it stopped. In a shared study it starts once no
     other worker's trial is running, and one worker at a time confirms (`_claim_confirmation`);
     the others wait, so that every worker reports the same pick and no two confirmations run at
-    once."""
+    once. No round starts after `deadline` (time.monotonic(); --timeout): the pick is then made
+    among the configs confirmed by then."""
     while True:
         _fail_stale_trials(study)  # a worker that died frees its trial or its claim
-        if not _unconfirmed(study, req.confirm_rounds):
+        if _past(deadline) or not _unconfirmed(study, req.confirm_rounds):
             return
         claim = None if _in_flight(study) else _claim_confirmation(study)
         if claim is None:
             time.sleep(1.0)  # another worker's trial or confirmation is running
             continue
         try:
-            _confirm_while_held(req, study, measure, claim, on_confirm)
+            _confirm_while_held(req, study, measure, claim, on_confirm, deadline)
         finally:
             # not a measurement: samplers ignore failed trials; another worker may have failed it
             # as stale already (a paused process), which only means it was given up
             study.tell(claim, state=TrialState.FAIL, skip_if_finished=True)
 
 
-def _confirm_while_held(req, study, measure, claim, on_confirm) -> None:
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -> None:
     """Measure the next unconfirmed (contender, round) until none is left or the claim was lost.
     The list is read again after each: a contender that a confirmation made infeasible drops out,
     and the next one comes in, as on a resumed run."""
@@ -881,7 +915,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm) -> None:
         except optuna.exceptions.UpdateFinishedTrialError:
             lost.append(True)  # failed as stale by another worker: it confirms now
 
-    while not lost and (slots := _unconfirmed(study, req.confirm_rounds)):
+    while not lost and not _past(deadline) and (slots := _unconfirmed(study, req.confirm_rounds)):
         record, round_ = slots[0]
         trial_dir = req.workdir / f"confirm-{record.number:05d}-{round_}"
         # no output kept: the trial's first output was assessed already

@@ -448,3 +448,63 @@ def test_a_retried_journal_trial_is_not_stale_before_its_first_heartbeat(tmp_pat
     assert alive._storage.get_trial(retry._trial_id).user_attrs.get("heartbeat_at")  # inherited
     study._fail_stale_trials(alive)  # another worker looks before the retry's first heartbeat
     assert alive._storage.get_trial(retry._trial_id).state == optuna.trial.TrialState.RUNNING
+
+
+def test_a_study_refuses_a_run_that_measures_something_else(tmp_path):
+    """The same --study-name with another workload (or budget, device, threads) would mix
+    incomparable trials and write a profile describing the wrong workload."""
+    from dataclasses import replace
+
+    from autotune.errors import AutotuneError
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    measure, _ = fake_measure(lambda config: 1.0)
+    first = request(space, tmp_path, storage=url, trials=2, confirm_rounds=0)
+    study.tune(first, measure=measure)
+    study.tune(replace(first, repeats=5, trials=2), measure=measure)  # the timing loop may change
+    bigger = replace(first, workload=replace(first.workload, height=128, width=128))
+    with pytest.raises(AutotuneError, match=r"measured under other settings \(workload .*use another --study-name"):
+        study.tune(bigger, measure=measure)
+    with pytest.raises(AutotuneError, match="budget_bytes"):
+        study.tune(replace(first, budget_bytes=2 * first.budget_bytes), measure=measure)
+
+
+def test_the_timeout_holds_for_the_confirmation_rounds(tmp_path):
+    """--timeout: start no trial after it, confirmations included."""
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        time.sleep(0.6)
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+
+    started = time.monotonic()
+    study.tune(request(space, tmp_path, trials=3, timeout_s=1.0, confirm_rounds=2), measure=measure)
+    # the search stops after its second trial (1.2 s > 1 s); six confirmations would add 3.6 s
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_config_whose_one_figure_beats_the_confirmed_medians_is_measured_again(tmp_path):
+    """Confirmed, the three fastest configs' figures rise by 10%; a fourth, left out on its one
+    figure, is then faster than all of them on paper. It is measured again too, so the pick is
+    on the front the profile records, not beaten by a single lucky figure."""
+    from autotune import profile
+
+    first = {("bfloat16", False, False): 1.00, ("bfloat16", True, False): 1.02,
+             ("bfloat16", False, True): 1.03, ("float16", False, False): 1.05}
+    calls = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        c = req["config"]
+        latency = first.get((c["dtype"], c["fuse_qkv"], c["channels_last"]), 2.0)
+        calls.append((c["dtype"], c["fuse_qkv"], c["channels_last"], req.get("confirmation")))
+        if req.get("confirmation"):
+            latency *= 1.10
+        peak = 400 * MiB if c["dtype"] == "float16" else 500 * MiB
+        return {"status": "ok", "latency_s": latency, "peak_memory_bytes": peak}
+
+    outcome = study.tune(request(SearchSpace(SPACE), tmp_path, trials=12, confirm_rounds=2), measure=measure)
+    assert ("float16", False, False, 1) in calls  # the fourth, measured again
+    assert outcome.best.number in [r.number for r in outcome.front]
+    document = profile.build(request(SearchSpace(SPACE), tmp_path, trials=12), outcome, "memory")
+    assert min(p["latency_s"] for p in document["pareto"]) == document["best"]["latency_s"]
