@@ -75,7 +75,9 @@ def classify(exc: BaseException) -> str:
     module = type(exc).__module__ or ""
     if module.startswith(("torch._dynamo", "torch._inductor")) or "inductor" in text:
         return COMPILE_ERROR
-    if isinstance(exc, NotImplementedError) or "not implemented for" in text or "not supported" in text:
+    # "not_supported": cuDNN's CUDNN_STATUS_NOT_SUPPORTED (a kernel for these shapes or dtypes)
+    if isinstance(exc, NotImplementedError) or any(s in text for s in ("not implemented for", "not supported",
+                                                                       "not_supported")):
         return UNSUPPORTED
     return ERROR
 

@@ -173,6 +173,8 @@ def test_a_trial_far_slower_than_the_bound_stops_after_two_warm_calls(tmp_path):
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), worker.OUT_OF_MEMORY),
         (NotImplementedError("x"), worker.UNSUPPORTED),
         (RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\''), worker.UNSUPPORTED),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+                      "non-contiguous input."), worker.UNSUPPORTED),
         (ValueError("something else"), worker.ERROR),
     ],
 )
