@@ -240,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def terminate_as_interrupt() -> None:
-    """SIGTERM (kill, a container stopping, a job scheduler) ends a run as Ctrl-C does: the running
-    trial's process group killed, the trial queued again, measured trials kept. Left at its
-    default, it killed the parent alone and left the trial's process running, unsupervised.
+    """SIGTERM (kill, a container stopping, a job scheduler) and SIGHUP (the terminal closed) end
+    a run as Ctrl-C does: the running trial's process group killed, the trial queued again,
+    measured trials kept. Left at their default, they killed the parent alone and left the
+    trial's process (or --gpus' workers) running, unsupervised.
     The benchmarks call it too: stopped by `timeout`, they stop their trial the same way."""
     import signal
     import threading
@@ -252,6 +253,9 @@ def terminate_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
+        # a closed terminal or SSH session: --gpus workers run in sessions of their own and hear
+        # of it only from here
+        signal.signal(signal.SIGHUP, interrupt)
 
 
 def _quiet_libraries() -> None:
@@ -339,7 +343,8 @@ def _tune(args, argv: list[str]) -> int:
     check_weights_here(spec)
 
     machine = fingerprint.machine(device)
-    budget = args.budget or machine["memory_bytes"]
+    # no --vram: the machine's memory, in whole MiB, so that the profile's name stays short
+    budget = args.budget or machine["memory_bytes"] // 2**20 * 2**20
     margin = parse_margin(args.margin, budget)
     if margin >= budget:  # no peak could fit: every trial would be measured for nothing
         raise UsageError(f"--margin {args.margin} is not under the budget {format_size(budget)}: "

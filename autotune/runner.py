@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
-
 from . import worker
 
 LAUNCHERS = ("fork", "spawn")
@@ -51,12 +49,17 @@ def default_launcher(device: str) -> str:
     return "spawn" if device.startswith("cuda") else "fork"
 
 
+def _this_process() -> str:
+    """Who the child must outlive no longer (worker.end_with_parent): this process."""
+    return f"{os.getpid()}:{worker.process_start(os.getpid())}"
+
+
 class _Spawned:
     def __init__(self, request_path: Path, result_path: Path, log_path: Path):
         env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path)],
+            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path), _this_process()],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -92,7 +95,8 @@ def _fork_context(log_dir: Path):
 class _Forked:
     def __init__(self, request_path: Path, result_path: Path, log_path: Path):
         self.proc = _fork_context(log_path.parent.parent).Process(
-            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path)), daemon=False
+            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path), _this_process()),
+            daemon=False
         )
         self.proc.start()
         self.pid = self.proc.pid
@@ -141,9 +145,7 @@ def run_trial(
         workdir / "result.json",
         workdir / "worker.log",
     )
-    # the child ends itself if this process dies without killing it (worker.end_with_parent)
-    parent = {"pid": os.getpid(), "started": psutil.Process().create_time()}
-    request_path.write_text(json.dumps({**request, "parent": parent}))
+    request_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
     started = time.perf_counter()
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)

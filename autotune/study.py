@@ -215,8 +215,8 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
                     # SQLite: a worker waits for another's write rather than fail at 5 s
                     engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
                 )
-                if storage.engine.name == "sqlite":
-                    _serialize_sqlite_transactions(storage.engine)
+                if storage.engine.name == "sqlite" and storage.engine.url.database not in (None, "", ":memory:"):
+                    _serialize_sqlite_transactions(storage.engine)  # an in-memory one has one user
                 return storage
         except IntegrityError:
             # Workers starting together on an empty PostgreSQL database race to create Optuna's
@@ -515,7 +515,11 @@ def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
     held = study.user_attrs.get("request")
     if not held:
         return
-    differ = [k for k in DEFINING if k in held and held[k] != asked[k]]
+    def same(key):  # any GPU of the study's model (the hardware check above): cuda, cuda:1 alike
+        kind = lambda device: device.split(":")[0]  # noqa: E731
+        return kind(held[key]) == kind(asked[key]) if key == "device" else held[key] == asked[key]
+
+    differ = [k for k in DEFINING if k in held and not same(k)]
     if differ:
         shown = "; ".join(f"{k} {held[k]} there, {asked[k]} here" for k in differ)
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "

@@ -203,44 +203,53 @@ def write_json(path: Path, data: dict, indent: int | None = None) -> None:
     os.replace(tmp, path)
 
 
-def end_with_parent(parent: dict | None, every_s: float = 1.0) -> None:
-    """Kill this trial's process group once the parent that runs it is gone.
+def process_start(pid: int) -> int | None:
+    """When a process started, in clock ticks since boot (/proc/PID/stat, field 22): with its pid,
+    it names one process, and no clock step changes it (psutil's create_time adds the boot time
+    read from the wall clock). None when that process is gone, or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])  # a zombie has exited already
+
+
+def end_with_parent(parent: str | None, every_s: float = 1.0) -> None:
+    """Kill this trial once the parent that runs it is gone.
 
     A trial leads a process group of its own (so that the parent's killpg reaches all of it), which
     also keeps it alive when the parent is SIGKILLed: left alone it would go on using the GPU and
     the cores while the resumed study measures other configs, and write into a trial folder the
-    resumed run reuses. `parent` is `{"pid", "started"}` (psutil's create time, so that a recycled
-    pid does not pass for the parent). The kernel's PR_SET_PDEATHSIG would do this for a spawned
-    child, but a forked trial's parent is the fork server, not the study."""
-    if not parent:
-        return
-    import psutil
-
-    def parent_alive() -> bool:
-        try:
-            process = psutil.Process(parent["pid"])
-            return process.create_time() == parent["started"] and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+    resumed run reuses. `parent` is "PID:START" (process_start), given on the command line by
+    runner.run_trial, so that a request file run again by hand is not tied to a dead parent. The
+    kernel's PR_SET_PDEATHSIG would do this for a spawned child, but a forked trial's parent is the
+    fork server, not the study."""
+    if not parent or process_start(os.getpid()) is None:
+        return  # run by hand, or no /proc to watch through
+    pid, started = (int(x) for x in parent.split(":"))
 
     def watch():
-        while parent_alive():
+        while process_start(pid) == started:
             time.sleep(every_s)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        # the group this trial leads (inductor's compile workers too); only itself if it leads none
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str], started: float = _T0, host_extra_bytes: int = 0) -> int:
+    """`python -m autotune.worker REQUEST.json RESULT.json [PARENT]` (PARENT: see end_with_parent)."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    request = json.loads(request_path.read_text())
-    end_with_parent(request.get("parent"))
-    result = run(request, started, host_extra_bytes)
+    end_with_parent(argv[2] if len(argv) > 2 else None)
+    result = run(json.loads(request_path.read_text()), started, host_extra_bytes)
     write_json(result_path, result)
     return 0
 
 
-def forked_main(request_path: str, result_path: str, log_path: str) -> None:
+def forked_main(request_path: str, result_path: str, log_path: str, parent: str | None = None) -> None:
     """Entry point of a trial forked from the fork server (runner.py, launcher "fork")."""
     started = time.perf_counter()
     from .measure import fork_unmapped_bytes
@@ -252,8 +261,8 @@ def forked_main(request_path: str, result_path: str, log_path: str) -> None:
     os.dup2(log, 2)
     import torch
 
+    end_with_parent(parent)
     request = json.loads(Path(request_path).read_text())
-    end_with_parent(request.get("parent"))
     if request["device"].startswith("cuda") and torch.cuda._is_in_bad_fork():
         # The server initialised CUDA while preloading (xFormers' import asks for the device's
         # capability), and a CUDA context does not survive fork: say so, not "Cannot re-initialize".

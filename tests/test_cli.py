@@ -508,7 +508,7 @@ if os.environ.get("AUTOTUNE_FAKE_GPUS"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "hangup"])
 def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
     """SIGTERM reaches the parent alone: it must stop its workers. Ctrl-C in a terminal reaches
     the parent's whole process group: each worker must still get one SIGINT, not two (a second
@@ -530,6 +530,8 @@ def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
         assert proc.poll() is None
         if stop == "sigterm":
             proc.send_signal(signal.SIGTERM)
+        elif stop == "hangup":  # the terminal closed: its foreground group hears SIGHUP
+            os.killpg(proc.pid, signal.SIGHUP)
         else:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
         out, _ = proc.communicate(timeout=120)

@@ -1,6 +1,7 @@
 """Trials in real child processes: measured, timed out, crashed, failed, classified; both launchers."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -199,3 +200,28 @@ def test_an_environment_block_puts_the_old_values_back(monkeypatch):
                                capture_output=True, text=True)
         assert child.stdout.strip() == "inside"  # what children started inside inherit
     assert os.environ["AUTOTUNE_TEST_SET"] == "before" and "AUTOTUNE_TEST_UNSET" not in os.environ
+
+
+def test_a_kept_request_runs_again_by_hand(tmp_path):
+    """A trial's folder keeps its request: `python -m autotune.worker REQUEST RESULT` runs it again
+    (to read its log, to debug). It must not be tied to the study that first ran it, long dead."""
+    first = runner.run_trial(request(max_calls=2), tmp_path / "t", timeout_s=300, launcher="spawn")
+    assert first["status"] == worker.OK
+    again = subprocess.run([sys.executable, "-m", "autotune.worker", str(tmp_path / "t" / "request.json"),
+                            str(tmp_path / "again.json")], timeout=300, start_new_session=True)
+    assert again.returncode == 0
+    assert json.loads((tmp_path / "again.json").read_text())["status"] == worker.OK
+
+
+def test_process_start_names_one_living_process():
+    """The watch on a trial's parent compares start ticks, which no clock step moves (psutil's
+    create_time adds the wall clock's boot time): the same for the same process, None once gone."""
+    me = worker.process_start(os.getpid())
+    assert isinstance(me, int) and me == worker.process_start(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert worker.process_start(child.pid) is None
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(2)  # exited, not yet reaped: a zombie is gone too
+    assert worker.process_start(zombie.pid) is None
+    zombie.wait()

@@ -508,3 +508,29 @@ def test_a_config_whose_one_figure_beats_the_confirmed_medians_is_measured_again
     assert outcome.best.number in [r.number for r in outcome.front]
     document = profile.build(request(SearchSpace(SPACE), tmp_path, trials=12), outcome, "memory")
     assert min(p["latency_s"] for p in document["pareto"]) == document["best"]["latency_s"]
+
+
+def test_any_gpu_of_the_studys_model_may_join_it():
+    """Two commands on one machine, --device cuda:0 and --device cuda:1, share a study as --gpus
+    workers do (the hardware check holds the GPU model); a CPU run may not."""
+    import optuna
+
+    from autotune.errors import AutotuneError
+
+    shared = optuna.create_study()
+    held = {"model": {"name": "sdxl"}, "workload": {}, "budget_bytes": 1, "margin_bytes": 0,
+            "device": "cuda:0", "threads": 4, "min_psnr_db": None}
+    shared.set_user_attr("request", held)
+    study._refuse_another_request(shared, {**held, "device": "cuda:1"})
+    study._refuse_another_request(shared, {**held, "device": "cuda"})
+    with pytest.raises(AutotuneError, match="device cuda:0 there, cpu here"):
+        study._refuse_another_request(shared, {**held, "device": "cpu"})
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_storage_works(url):
+    import optuna
+
+    created, _ = study.open_study(url, "s")
+    created.tell(created.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), 1.0)
+    assert len(created.trials) == 1
