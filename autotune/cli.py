@@ -19,11 +19,6 @@ from pathlib import Path
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
 DEFAULT_STORAGE_DIR = Path("autotune-studies")
-# Height and width must be multiples of these, as each family's diffusers pipeline checks them
-# (check_inputs): UNet pipelines the VAE's 8x downsampling; SD3 that times the transformer's 2x2
-# patches (an error); Flux the same 16, where it only warns and resizes, so the trials would
-# measure another size than the profile records. Known per family: no pipeline needs building.
-PIXEL_MULTIPLE = {"sdxl": 8, "sd15": 8, "sd3": 16, "flux": 16}
 
 
 class UsageError(Exception):
@@ -400,7 +395,9 @@ def _tune(args, argv: list[str]) -> int:
 def _check_image_size(spec, workload) -> None:
     """Height and width the pipeline takes, checked before the study: else every trial, and the
     reference call first, fails inside diffusers' check_inputs."""
-    multiple = PIXEL_MULTIPLE[spec.family]
+    from .models import FAMILIES
+
+    multiple = FAMILIES[spec.family].pixel_multiple
     for name in ("height", "width"):
         value = getattr(workload, name)
         if value % multiple:
@@ -413,18 +410,14 @@ def _check_image_size(spec, workload) -> None:
 def _check_folder(folder: Path) -> None:
     """The folder exists, or can be made, and takes a new file: one line now, not a traceback when
     the storage or the first trial writes there (run from /proc, a read-only mount)."""
-    import tempfile
-
     from .errors import AutotuneError
+    from .profile import why_unwritable
 
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
+    reason = why_unwritable(folder)
+    if reason:
         raise AutotuneError(
-            f"cannot write {folder} in {Path.cwd()} ({exc.strerror}): autotune keeps its trials' "
-            "files there, and its default storage; run it from a writable folder") from None
+            f"cannot write {folder} in {Path.cwd()} ({reason}): autotune keeps its trials' "
+            "files there, and its default storage; run it from a writable folder")
 
 
 def _write_profile(out, request, outcome, output: Path) -> int:
@@ -672,12 +665,11 @@ def _verify(out, profile, args) -> int:
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts
         result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")
-    # A fit as Profile.choose judges one: the peak plus the profile's margin within its budget.
     # No verdict (None) when the replay failed: it measured no peak.
     budget = profile.budget_bytes
     margin = parse_margin(profile.margin, budget)
     peak = result.get("peak_memory_bytes") or 0
-    fits = peak + margin <= budget if result["status"] == worker.OK else None
+    fits = profile.fits(peak) if result["status"] == worker.OK else None
     console.print_verification(out, profile, result, fits=fits, margin_bytes=margin)
     if fits is None:
         print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",

@@ -19,3 +19,10 @@ class SpaceError(AutotuneError):
 
 class ProfileError(AutotuneError):
     """A profile file is missing, corrupt, truncated or of another format version."""
+
+
+def os_reason(exc: OSError) -> str:
+    """What an OSError says, readable at the end of a one-line error."""
+    if isinstance(exc, FileExistsError):  # mkdir where a file has the folder's name
+        return "a file is in the way"
+    return exc.strerror or str(exc)

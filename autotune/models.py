@@ -33,13 +33,17 @@ class _Family:
     pipeline_class: str
     denoiser: str
     workload: Workload  # the default: 1024x1024, 30 steps for SDXL
+    # Height and width must be multiples of this, as the pipeline's check_inputs asks: the VAE's
+    # 8x downsampling for UNet models; times the transformer's 2x2 patches for SD3 (an error) and
+    # Flux (which only warns and resizes, so trials would measure another size than recorded).
+    pixel_multiple: int
 
 
 FAMILIES = {
-    "sdxl": _Family("StableDiffusionXLPipeline", "unet", Workload(1024, 1024, 30)),
-    "sd15": _Family("StableDiffusionPipeline", "unet", Workload(512, 512, 50)),
-    "sd3": _Family("StableDiffusion3Pipeline", "transformer", Workload(1024, 1024, 28)),
-    "flux": _Family("FluxPipeline", "transformer", Workload(1024, 1024, 28)),
+    "sdxl": _Family("StableDiffusionXLPipeline", "unet", Workload(1024, 1024, 30), 8),
+    "sd15": _Family("StableDiffusionPipeline", "unet", Workload(512, 512, 50), 8),
+    "sd3": _Family("StableDiffusion3Pipeline", "transformer", Workload(1024, 1024, 28), 16),
+    "flux": _Family("FluxPipeline", "transformer", Workload(1024, 1024, 28), 16),
 }
 _FAMILY_OF_CLASS = {family.pipeline_class: name for name, family in FAMILIES.items()}
 

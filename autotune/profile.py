@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ModelError, ProfileError
+from .errors import ModelError, ProfileError, os_reason
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -102,13 +102,6 @@ def build(req, outcome, storage_label: str) -> dict:
     }
 
 
-def _why(exc: OSError) -> str:
-    """The reason an OSError gives, readable in one line."""
-    if isinstance(exc, FileExistsError):  # mkdir where a file has the folder's name
-        return "a file is in the way of a folder"
-    return exc.strerror or str(exc)
-
-
 def _new_file_mode() -> int:
     """The mode open() would give a new file: 0o666 less the umask. Read from /proc where it can
     be (os.umask can only be read by setting it, which races with other threads' files)."""
@@ -124,27 +117,30 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _folder_for(path: Path) -> None:
-    """Refuse a folder as the profile path, and create missing parent folders."""
+def why_unwritable(folder: Path) -> str | None:
+    """Why no file can be created in `folder` (made first where missing, as save does), or None.
+    Run before a search, so that a path that takes no file fails then, not after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return os_reason(exc)
+    return None
+
+
+def _not_a_folder(path: Path) -> Path:
     if path.is_dir():
         raise ProfileError(f"profile {path}: is a folder; name a file, such as {path / 'profile.yaml'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot create the folder {path.parent} ({_why(exc)})") from None
+    return path
 
 
 def check_writable(path: str | Path) -> Path:
-    """Fail early (before a search) when `save` could not write `path`: creates the missing parent
-    folders as save would, then a temporary file beside it, and removes that. ProfileError if not."""
-    path = Path(path)
-    _folder_for(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({_why(exc)})") from None
+    """ProfileError unless `save` could write `path` (its missing folders are made)."""
+    path = _not_a_folder(Path(path))
+    reason = why_unwritable(path.parent)
+    if reason:
+        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({reason})")
     return path
 
 
@@ -152,16 +148,16 @@ def save(document: dict, path: str | Path) -> Path:
     """Write atomically: readers see the old file or the new one, never half of one. The file gets
     the mode an overwritten profile had, else the one open() would give: a serving process running
     as another user must be able to read it (mkstemp alone leaves 0600)."""
-    path = Path(path)
-    _folder_for(path)
+    path = _not_a_folder(Path(path))
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         mode = _new_file_mode()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({_why(exc)})") from None
+        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({os_reason(exc)})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), mode)
@@ -171,7 +167,7 @@ def save(document: dict, path: str | Path) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise ProfileError(f"profile {path}: cannot write it ({_why(exc)})") from None
+        raise ProfileError(f"profile {path}: cannot write it ({os_reason(exc)})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -217,15 +213,20 @@ class Profile:
     def config(self) -> Config:
         return complete(self.best["config"])
 
+    def fits(self, peak_bytes: int, budget_bytes: int | None = None) -> bool:
+        """Whether a peak plus the profile's safety margin is within `budget_bytes` (by default
+        the profile's own budget): the rule the study judged its trials by."""
+        budget_bytes = self.budget_bytes if budget_bytes is None else budget_bytes
+        return peak_bytes + parse_margin(self.margin, budget_bytes) <= budget_bytes
+
     def choose(self, budget_bytes: int | None = None) -> dict:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
         (or none is given): the study's pick, which may be a simpler config than a front point
         with a lower median that its trials did not back (study.choose_best). Else the fastest
         front point that fits."""
-        margin = parse_margin(self.margin, budget_bytes) if budget_bytes is not None else 0
-        if budget_bytes is None or self.best["peak_memory_bytes"] + margin <= budget_bytes:
+        if budget_bytes is None or self.fits(self.best["peak_memory_bytes"], budget_bytes):
             return self.best
-        fitting = [p for p in self.pareto if p["peak_memory_bytes"] + margin <= budget_bytes]
+        fitting = [p for p in self.pareto if self.fits(p["peak_memory_bytes"], budget_bytes)]
         if not fitting:
             smallest = min(p["peak_memory_bytes"] for p in self.pareto)
             raise ProfileError(
@@ -276,7 +277,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     except FileNotFoundError:
         raise ProfileError(f"profile {path}: no such file") from None
     except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot read it ({_why(exc)})") from None
+        raise ProfileError(f"profile {path}: cannot read it ({os_reason(exc)})") from None
     except UnicodeDecodeError:
         raise ProfileError(f"profile {path}: not UTF-8 text (a binary or foreign file?)") from None
     try:

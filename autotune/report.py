@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from .errors import AutotuneError
+from .errors import AutotuneError, os_reason
 
 DEFAULT_STORAGE = "sqlite:///autotune-studies/studies.db"
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
@@ -727,10 +727,8 @@ def _writing(path: Path, what: str = "write it"):
     """An OSError while writing `path` (a folder that cannot be made, a full disk) as one line."""
     try:
         yield
-    except FileExistsError:  # mkdir where a file has the folder's name
-        raise ReportError(f"report {path}: cannot {what} (a file is in the way)") from None
     except OSError as exc:
-        raise ReportError(f"report {path}: cannot {what} ({exc.strerror or exc})") from None
+        raise ReportError(f"report {path}: cannot {what} ({os_reason(exc)})") from None
 
 
 def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "autotune: compared studies") -> list[Path]:
