@@ -511,15 +511,16 @@ def _request_attr(req: TuneRequest) -> dict:
 DEFINING = ("model", "workload", "budget_bytes", "margin_bytes", "device", "threads", "min_psnr_db")
 
 
-def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
-    held = study.user_attrs.get("request")
-    if not held:
-        return
-    def same(key):  # any GPU of the study's model (the hardware check above): cuda, cuda:1 alike
-        kind = lambda device: device.split(":")[0]  # noqa: E731
-        return kind(held[key]) == kind(asked[key]) if key == "device" else held[key] == asked[key]
+def _defining(request: dict) -> dict:
+    # the device's type only: any GPU of the study's model may join it (the hardware check holds
+    # the model), so cuda, cuda:0 and cuda:1 alike
+    return {k: request[k].split(":")[0] if k == "device" else request[k] for k in DEFINING if k in request}
 
-    differ = [k for k in DEFINING if k in held and not same(k)]
+
+def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
+    held = study.user_attrs.get("request") or {}
+    wanted = _defining(asked)
+    differ = [k for k, value in _defining(held).items() if value != wanted[k]]
     if differ:
         shown = "; ".join(f"{k} {held[k]} there, {asked[k]} here" for k in differ)
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
@@ -664,7 +665,7 @@ def tune(
     guard = study.user_attrs.get("quality_guard")
     min_psnr_db = guard["min_psnr_db"] if req.min_psnr_db and guard else None
     n_configs = len(space.configs())
-    started = time.monotonic()
+    deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None  # --timeout
     duplicates_in_a_row = 0
     measured_here = 0
 
@@ -694,7 +695,7 @@ def tune(
             reason = (f"every one of the space's {n_configs} configurations is measured or known "
                       "not to fit")
             break
-        if req.timeout_s is not None and time.monotonic() - started > req.timeout_s:
+        if _past(deadline):
             reason = f"--timeout {req.timeout_s:.0f} s reached"
             break
         stale = trials_since_improvement(study)
@@ -793,7 +794,6 @@ def tune(
             on_trial(record_of(study.trials[trial.number]))
 
     if req.confirm_rounds:
-        deadline = started + req.timeout_s if req.timeout_s is not None else None
         confirm_contenders(req, study, measure, on_confirm, deadline)
     outcome = summarize(study, reason)
     outcome.quality_guard = guard if min_psnr_db else None
