@@ -161,20 +161,18 @@ def test_the_device_peak_is_torchs_exact_peak_plus_what_lies_outside_it_when_pol
 def test_nvml_current_reads_the_same_source_as_the_peak(monkeypatch):
     from autotune.measure import NvmlPeak
 
-    fake = FakeNvml([(1000, None), (5000, 900), (5000, 900)])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    peak = NvmlPeak("GPU-x", interval_s=0.001)
-    while fake.i < 3:
-        time.sleep(0.001)
-    peak.stop()
-    assert peak.source == "nvml-process" and peak.current() == 900
+    def polled(readings):  # an NvmlPeak stopped once it has read every scripted reading
+        fake = FakeNvml(readings)
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        peak = NvmlPeak("GPU-x", interval_s=0.001)
+        while fake.i < len(readings):
+            time.sleep(0.001)
+        peak.stop()
+        return peak
 
-    fake = FakeNvml([(1000, None), (4000, None), (4000, None)])  # never listed: the device's figure
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    peak = NvmlPeak("GPU-x", interval_s=0.001)
-    while fake.i < 3:
-        time.sleep(0.001)
-    peak.stop()
+    peak = polled([(1000, None), (5000, 900), (5000, 900)])
+    assert peak.source == "nvml-process" and peak.current() == 900
+    peak = polled([(1000, None), (4000, None), (4000, None)])  # never listed: the device's figure
     assert peak.source == "nvml-device" and peak.current() == 3000
 
 
