@@ -239,7 +239,7 @@ def build_pipeline(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: 
         pipe = tiny.build(spec.family)
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
-                _cast(component, dtype, device)
+                cast_model(component, dtype, device)
         return pipe
     return _build_random(spec, dtype, device)
 
@@ -258,7 +258,7 @@ def _module_dtypes(model: torch.nn.Module, dtype: torch.dtype):
         yield module, torch.float32 if keep.intersection(name.split(".")) else dtype
 
 
-def _cast(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Move a built model to `device` and cast its floating tensors as `_module_dtypes` says.
 
     Tensor by tensor, not model.to(): a kept-in-float32 module keeps its float32 values exactly, and
@@ -343,7 +343,7 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
                     noise.fill_(data)
                 made[id(param)] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
             module._parameters[name] = made[id(param)]
-    _cast(model, dtype, device)  # the buffers
+    cast_model(model, dtype, device)  # the buffers
 
 
 def _empty_model(library: str, class_name: str, config_file: Path) -> torch.nn.Module:

@@ -12,8 +12,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _apply_dtype(pipe, value, target, config):
     # Pipelines are loaded in this dtype already (models.build_pipeline takes it); casting here
     # makes `Profile.apply` on a pipeline the user loaded in another dtype reach the same state.
-    if pipe.dtype != DTYPES[value]:
-        pipe.to(dtype=DTYPES[value])
+    # Component by component with the loader's rule, not pipe.to(dtype=): that would also cast the
+    # modules a model keeps in float32 (T5's `wo` in float16, against overflow), which the trial kept.
+    from ..models import cast_model
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            weight = next(component.parameters(), None)
+            cast_model(component, DTYPES[value], weight.device if weight is not None else pipe.device)
     # SDXL's original VAE overflows in float16 (NaN, black images); its config says force_upcast
     # and the pipeline then decodes in float32. Nothing here touches that flag (tests/test_catalogue.py
     # checks it); a VAE whose config says otherwise (the fp16-fix VAE) is float16-safe by its word.
