@@ -78,17 +78,25 @@ def test_fuse_qkv_fuses_unet_and_vae_attention():
 
 
 @pytest.mark.parametrize("choice", ["sdpa", "sdpa-math"])
-def test_flux_with_sdpa_does_not_inherit_another_pipelines_backend(choice):
-    # diffusers' set_attention_backend also sets a process-wide default: a serving process that
-    # loaded a profile with another backend first would hand it to the next Flux pipeline.
+def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choice):
+    # diffusers' set_attention_backend also sets a process-wide default, which every processor
+    # that names no backend follows: a Flux pipeline configured before or after another pipeline
+    # chose a backend (a serving process with two profiles) must keep native SDPA, and the other
+    # pipeline its own choice.
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    build_tiny("flux").transformer.set_attention_backend("_native_math")
+    def backends(pipe):
+        return {getattr(m.processor, "_attention_backend", None) for m in pipe.transformer.modules()
+                if hasattr(m, "processor")}
+
     try:
-        assert _AttentionBackendRegistry._active_backend != AttentionBackendName.NATIVE
-        pipe = build_tiny("flux", {"attention": choice})
-        assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
-        assert finite(generate(pipe, "flux"))
+        before = build_tiny("flux", {"attention": choice})
+        other = build_tiny("flux")
+        other.transformer.set_attention_backend("_native_math")  # the other pipeline's choice
+        after = build_tiny("flux", {"attention": choice})
+        assert backends(before) == backends(after) == {AttentionBackendName.NATIVE}
+        assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH  # left alone
+        assert finite(generate(after, "flux"))
     finally:
         _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
 

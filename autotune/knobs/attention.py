@@ -52,28 +52,36 @@ def _apply_attention(pipe, value, target, config):
     # "sdpa" is what diffusers installs by default (AttnProcessor2_0): nothing to do, and leaving
     # the processors alone keeps the fused ones that fuse_qkv may have installed.
     if (value == "sdpa" or value in _SDPA_KERNELS) and target.family == "flux":
-        _no_inherited_backend(pipe)  # native SDPA: what the sdpa_kernel context below acts on
+        _pin_backend(pipe.transformer, "native")  # native SDPA: what the sdpa_kernel context below acts on
     if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
     elif value in _SDPA_KERNELS:
         _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
     elif value == "xformers":
         if target.family == "flux":
-            pipe.transformer.set_attention_backend("xformers")
+            _pin_backend(pipe.transformer, "xformers")
         else:
             pipe.enable_xformers_memory_efficient_attention()
     elif value in _DISPATCHER:
-        pipe.transformer.set_attention_backend(_DISPATCHER[value])
+        _pin_backend(pipe.transformer, _DISPATCHER[value])
 
 
-def _no_inherited_backend(pipe) -> None:
-    """diffusers' set_attention_backend also sets a process-wide default backend (0.42.1), which
-    every dispatcher model whose processors name none then uses: a Flux pipeline built in a
-    process where another one chose flash-attn would run flash-attn too. Say native SDPA then."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+def _pin_backend(model, backend: str) -> None:
+    """Name `backend` in each of the model's attention processors, and nothing else.
 
-    if _AttentionBackendRegistry._active_backend != AttentionBackendName.NATIVE:
-        pipe.transformer.set_attention_backend(AttentionBackendName.NATIVE.value)
+    A processor that names no backend runs the process-wide default, which diffusers'
+    set_attention_backend also sets (0.42.1): a pipeline left on that default would switch to
+    flash-attn the moment another pipeline in the process chose it, and a pipeline the user built
+    without autotune would inherit this one's choice. So every choice is pinned on the processors
+    (the public call) and the process-wide default is put back as it was (a private name, hence
+    the one place that touches it)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry._active_backend
+    try:
+        model.set_attention_backend(backend)
+    finally:
+        _AttentionBackendRegistry.set_active_backend(default)
 
 
 def _xformers_unusable() -> str | None:

@@ -80,7 +80,10 @@ def test_xformers(family):
 @pytest.mark.parametrize("backend", ["flash-attn", "flash-attn-3", "sage"])
 def test_flux_dispatcher_backends(backend):
     needs("attention", backend, "flux")
-    run({"dtype": "bfloat16", "attention": backend}, "flux")
+    pipe = run({"dtype": "bfloat16", "attention": backend}, "flux")
+    pinned = {m.processor._attention_backend for m in pipe.transformer.modules()
+              if hasattr(getattr(m, "processor", None), "_attention_backend")}
+    assert len(pinned) == 1 and None not in pinned  # on the processors, not the process default
 
 
 @pytest.mark.parametrize("kind", ["group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
