@@ -93,7 +93,7 @@ COMPILE_VAE = Knob(
 )
 
 # The SDXL guide's inductor settings ("Accelerate inference of text-to-image diffusion models").
-# Process-global, like torchao's own set_inductor_config: a trial is its own process.
+# Process-global: a trial is its own process. Set here alone (torchao is told not to set its own).
 _GUIDE_FLAGS = {
     "conv_1x1_as_mm": True,
     "coordinate_descent_tuning": True,

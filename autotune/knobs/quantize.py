@@ -33,25 +33,27 @@ def guide_filter(module, fqn: str = "") -> bool:
 
 
 def _torchao_config(value):
-    # Imported here: torchao is heavy to import and changes global inductor settings on use
-    # (set_inductor_config), which is fine in a trial's own process and in production.
-    from torchao.quantization import quant_api as q
+    from torchao.quantization import quant_api as q  # here: torchao is heavy to import
 
+    # set_inductor_config=False: torchao's default turns on coordinate-descent tuning and the int-mm
+    # fusion for the whole process, so quantizing the text encoders would change how the denoiser
+    # compiles and `inductor_flags=False` would not mean what it says. The inductor_flags knob owns them.
+    owned = {"set_inductor_config": False}
     if value == "int8wo":
-        return q.Int8WeightOnlyConfig()
+        return q.Int8WeightOnlyConfig(**owned)
     if value in ("int8dq", "int8dq-filtered"):
-        return q.Int8DynamicActivationInt8WeightConfig()
+        return q.Int8DynamicActivationInt8WeightConfig(**owned)
     if value == "float8dq":
         # A row of zeros has a zero scale and quantizes to 0/0 = NaN (torchao 0.18 bounds the
         # row's max only when told to). SDXL's unconditional text embeddings are all zeros
         # (force_zeros_for_empty_prompt), so its cross-attention projections meet such rows.
-        return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow(), activation_value_lb=1e-12)
+        return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow(), activation_value_lb=1e-12, **owned)
     if value == "int4wo":
         # torchao 0.18's default packing (PLAIN) needs the mslk package; the tile-packed format
         # runs on torch's own tinygemm kernel (CUDA, SM >= 8.0, bfloat16 weights).
         from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
-        return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
+        return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D, **owned)
     raise ValueError(value)
 
 
