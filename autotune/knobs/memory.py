@@ -129,7 +129,6 @@ def _apply_placement(pipe, value, target, config):
     # whole components, largest first, dealt to the GPUs by diffusers' own assignment, each then
     # dispatched by accelerate as from_pretrained dispatches it.
     import torch
-    from accelerate import dispatch_model
     from diffusers.pipelines.pipeline_loading_utils import _assign_components_to_devices
 
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
@@ -140,8 +139,18 @@ def _apply_placement(pipe, value, target, config):
     assignment = _assign_components_to_devices(sizes, free, "balanced")
     device_map = {name: device for device, names in assignment.items() for name in names}
     for name, device in device_map.items():
-        dispatch_model(modules[name], device_map={"": device})
+        dispatch_whole(modules[name], device)
     pipe.hf_device_map = device_map
+
+
+def dispatch_whole(module, device) -> None:
+    """Put a whole component on `device` as diffusers' loader does for a device_map: with
+    force_hooks, accelerate attaches the hook that moves each call's inputs to the component's
+    device (without it, a one-device map attaches none, and a component fed from another GPU
+    fails), and skip_keys leaves the tensors the model names (caches) where they are."""
+    from accelerate import dispatch_model
+
+    dispatch_model(module, device_map={"": device}, force_hooks=True, skip_keys=getattr(module, "_skip_keys", None))
 
 
 def _placement_unavailable(value, target):
