@@ -104,6 +104,26 @@ def test_sdxl_in_float16_keeps_the_vae_upcast_and_never_nans():
     assert np.isfinite(small_call(pipe)).all()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_dtype_applied_to_a_loaded_pipeline_gives_the_trials_dtypes(dtype):
+    """`Profile.apply` on a pipeline loaded in float32 casts it as the trial's build did: T5 keeps
+    its `wo` layers in float32 in float16 (transformers' rule, against overflow), nothing else does."""
+    from autotune.models import build_pipeline
+
+    spec = resolve_model("tiny-sd3")
+    target = Target(device="cpu", family="sd3")
+
+    def dtypes(pipe):
+        return {f"{name}.{p}": t.dtype for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)
+                for p, t in c.state_dict().items() if t.is_floating_point()}
+
+    built = dtypes(build_configured(spec, {"dtype": dtype}, target))
+    applied = dtypes(apply_config(build_pipeline(spec), complete({"dtype": dtype}), target))
+    assert applied == built
+    kept = {k for k, v in built.items() if v == torch.float32}
+    assert bool(kept) == (dtype == "float16") and all(".wo." in k for k in kept)
+
+
 # ---- weights: quantization and fp8 storage --------------------------------------------------------
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
@@ -194,6 +214,18 @@ def test_quantize_text_encoders_reaches_every_encoder_and_not_the_denoiser(famil
     denoiser = pipe.unet if family == "sdxl" else pipe.transformer
     assert not any(type(p).__module__.startswith("torchao") for p in denoiser.parameters())
     assert np.isfinite(small_call(pipe)).all()
+
+
+@pytest.mark.parametrize("config", [{"quantize": "int8wo"}, {"quantize": "int8dq"}, {"quantize_text_encoders": "int8wo"}])
+def test_quantization_leaves_the_inductor_settings_to_the_inductor_flags_knob(config, inductor_config):
+    from autotune.knobs.compile import _GUIDE_FLAGS
+
+    flags = {name: getattr(inductor_config, name) for name in _GUIDE_FLAGS}
+    build_tiny("sdxl", config)  # inductor_flags left at False: nothing global may change
+    assert {name: getattr(inductor_config, name) for name in _GUIDE_FLAGS} == flags
+    assert inductor_config.force_fuse_int_mm_with_mul is False
+    build_tiny("sdxl", {**config, "inductor_flags": True})
+    assert all(getattr(inductor_config, name) == setting for name, setting in _GUIDE_FLAGS.items())
 
 
 def test_float8_and_int4_need_a_recent_cuda_gpu():
@@ -407,6 +439,21 @@ def test_balanced_placement_needs_more_than_one_gpu():
     assert "more than one CUDA GPU" in why and "(0 here)" in why
     assert conflict({**baseline(), "placement": "balanced", "offload": "model"})
 
+
+
+def test_balanced_placement_attaches_the_hooks_that_align_inputs():
+    # Two GPUs cannot be had here: the dispatch of one component runs for real, with accelerate,
+    # to the CPU. Without force_hooks a one-device map attaches no hook, and a component fed
+    # activations from another GPU would fail.
+    from accelerate.hooks import AlignDevicesHook
+
+    from autotune.knobs.memory import dispatch_whole
+
+    pipe = build_tiny("sd15")
+    expected = small_call(pipe)
+    dispatch_whole(pipe.text_encoder, "cpu")
+    assert isinstance(pipe.text_encoder._hf_hook, AlignDevicesHook)
+    np.testing.assert_allclose(small_call(pipe), expected, atol=1e-6)
 
 # ---- compile -----------------------------------------------------------------------------------------
 def compiled(module) -> bool:
