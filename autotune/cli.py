@@ -462,7 +462,9 @@ def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
             continue
         name, _, url = source.partition("@")
         try:
-            study = optuna.load_study(study_name=name, storage=open_storage(url or storage))
+            study = optuna.load_study(study_name=name, storage=open_storage(url or storage, existing=True))
+        except AutotuneError as exc:  # no such storage file, or a server that does not answer
+            raise AutotuneError(f"--warm-start {source}: no such profile file, and {exc}") from None
         except KeyError:
             raise AutotuneError(f"--warm-start {source}: no such profile file, nor a study {name!r} "
                                 f"in {url or storage}") from None
@@ -584,10 +586,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
     storage = args.storage or f"sqlite:///{DEFAULT_STORAGE_DIR / 'studies.db'}"
-    if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).exists():
-        raise AutotuneError(f"no study {args.study_name!r}: {storage} does not exist")
     try:
-        study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage))
+        study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage, existing=True))
     except KeyError:
         raise AutotuneError(f"no study {args.study_name!r} in {storage}") from None
     request = request_of(study, storage)

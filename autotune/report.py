@@ -172,24 +172,14 @@ def _timeline(trials) -> list[Span]:
     return spans
 
 
-def storage_file(url: str) -> Path | None:
-    """The file behind a SQLite or journal storage URL (None for a server database)."""
-    if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///"):])
-    if url.startswith("journal:"):
-        return Path(url[len("journal:"):])
-    return None
-
-
 def _open_storage(url: str):
     from .study import open_storage
 
-    path = storage_file(url)
-    if path is not None and not path.is_file():
-        raise ReportError(f"storage {url}: no such file {path}")  # opening would create one
     try:
-        return open_storage(url)
-    except Exception as exc:  # a URL SQLAlchemy cannot use, a file that is no database
+        return open_storage(url, existing=True)  # a missing file is an error, not created
+    except AutotuneError as exc:
+        raise ReportError(str(exc)) from None
+    except Exception as exc:  # a file that is no database
         raise ReportError(f"storage {url}: cannot open it ({type(exc).__name__}: {exc})") from None
 
 
@@ -197,7 +187,7 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
     """One study of a storage, as measured: points, front, best, baseline, timeline."""
     import optuna
 
-    from .study import summarize
+    from .study import storage_file, summarize
 
     storage = _open_storage(url)
     try:
@@ -265,6 +255,8 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
 def _find_storage(url: str | None, profile_dir: Path) -> str | None:
     if not url:
         return None
+    from .study import storage_file
+
     path = storage_file(url)
     if path is None:
         return url  # a database server: try it

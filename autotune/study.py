@@ -181,13 +181,28 @@ def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:
     return max(over, 0.0) + BROKEN
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def storage_file(url: str) -> Path | None:
+    """The file behind a SQLite or journal storage URL (None for a server database)."""
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///"):])
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):])
+    return None
+
+
+def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorage:
     """The storage behind a URL, or one clear AutotuneError (bad URL, server down, no driver).
+
+    `existing`: only read what is there; a SQLite or journal file that is missing is an error
+    instead of being created empty (for warm starts, export and reports).
 
     RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
     killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
+    path = storage_file(url)
+    if existing and path is not None and not path.is_file():
+        raise AutotuneError(f"storage {url}: no such file {path}")
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend

@@ -45,13 +45,25 @@ def one_line_error(proc):
         (["--no-such-flag"], "unrecognized arguments"),
         (["--gpus", "0,0"], "distinct GPU indices"),
         (["--storage", "nosuchdb://x", "--trials", "1"], "storage nosuchdb://x: cannot open it"),
-        (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, nor a study"),
-        (["export", "--study-name", "missing"], "no study 'missing'"),
+        (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
+        (["export", "--study-name", "missing"], "studies.db: no such file"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
     line = one_line_error(cli(*args))
     assert message in line
+
+
+@pytest.mark.parametrize("args", [
+    ["--warm-start", "x@sqlite:///missing.db", "--trials", "1"],
+    ["--warm-start", "x@journal:missing.db", "--trials", "1"],
+    ["export", "--study-name", "x", "--storage", "sqlite:///missing.db"],
+    ["export", "--study-name", "x", "--storage", "journal:missing.db"],
+    ["report", "--storage", "journal:missing.db", "--out", "o"],
+])
+def test_reading_a_missing_storage_says_so_and_creates_nothing(cli, tmp_path, args):
+    assert "no such file missing.db" in one_line_error(cli(*args))
+    assert not (tmp_path / "missing.db").exists()
 
 
 @pytest.mark.parametrize(
