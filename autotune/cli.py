@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _quiet_libraries()
     terminate_as_interrupt()
+    _stop_when_gpus_parent_dies()
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
@@ -251,6 +252,29 @@ def terminate_as_interrupt() -> None:
         # a closed terminal or SSH session: --gpus workers run in sessions of their own and hear
         # of it only from here
         signal.signal(signal.SIGHUP, interrupt)
+
+
+# Set by _tune_on_gpus for its workers (and taken out of the environment before their trials start).
+GPUS_PARENT_ENV = "AUTOTUNE_GPUS_PARENT"
+
+
+def _stop_when_gpus_parent_dies() -> None:
+    """A --gpus worker whose parent is gone (SIGKILL, OOM killer) stops as on SIGTERM: its trial's
+    group killed, the trial queued again. Its own session keeps it out of the parent's signals, so
+    left alone it would measure on, unsupervised, beside the workers of the rerun command.
+    If the stop does not end it within a minute, its group is killed."""
+    import os
+    import signal
+    import time
+
+    from . import worker
+
+    def stop():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        worker.kill_own_group()
+
+    worker.watch_parent(os.environ.pop(GPUS_PARENT_ENV, None), stop)
 
 
 def _quiet_libraries() -> None:
@@ -500,7 +524,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     import optuna
 
-    from . import runner
+    from . import runner, worker
     from .fingerprint import visible_gpus
     from .study import open_storage, prepare, summarize
 
@@ -527,7 +551,8 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
             log = open(logs / f"gpu{gpu}.log", "wb")
             command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
                        request.study_name, "--storage", request.storage, "--no-profile"]
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID")
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                       **{GPUS_PARENT_ENV: worker.this_process()})
             # Their own session: a terminal's Ctrl-C reaches them only through interrupt_workers,
             # once, as SIGTERM does; a second SIGINT could break a worker's own clean-up.
             workers.append((gpu, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -49,17 +49,12 @@ def default_launcher(device: str) -> str:
     return "spawn" if device.startswith("cuda") else "fork"
 
 
-def _this_process() -> str:
-    """Who the child must outlive no longer (worker.end_with_parent): this process."""
-    return f"{os.getpid()}:{worker.process_start(os.getpid())}"
-
-
 class _Spawned:
     def __init__(self, request_path: Path, result_path: Path, log_path: Path):
         env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path), _this_process()],
+            [sys.executable, "-m", "autotune.worker", str(request_path), str(result_path), worker.this_process()],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -95,7 +90,7 @@ def _fork_context(log_dir: Path):
 class _Forked:
     def __init__(self, request_path: Path, result_path: Path, log_path: Path):
         self.proc = _fork_context(log_path.parent.parent).Process(
-            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path), _this_process()),
+            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path), worker.this_process()),
             daemon=False
         )
         self.proc.start()

@@ -225,17 +225,33 @@ def end_with_parent(parent: str | None, every_s: float = 1.0) -> None:
     runner.run_trial, so that a request file run again by hand is not tied to a dead parent. The
     kernel's PR_SET_PDEATHSIG would do this for a spawned child, but a forked trial's parent is the
     fork server, not the study."""
+    watch_parent(parent, kill_own_group, every_s)
+
+
+def kill_own_group() -> None:
+    """SIGKILL the process group this process leads (inductor's compile workers too), or only
+    itself if it leads none."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def this_process() -> str:
+    """This process as "PID:START", for a child's watch_parent."""
+    return f"{os.getpid()}:{process_start(os.getpid())}"
+
+
+def watch_parent(parent: str | None, when_gone, every_s: float = 1.0) -> None:
+    """Call `when_gone()` from a daemon thread once the process `parent` ("PID:START", see
+    this_process) has exited. Nothing when `parent` is None or there is no /proc to watch through."""
     if not parent or process_start(os.getpid()) is None:
-        return  # run by hand, or no /proc to watch through
+        return
     pid, started = (int(x) for x in parent.split(":"))
 
     def watch():
         while process_start(pid) == started:
             time.sleep(every_s)
-        # the group this trial leads (inductor's compile workers too); only itself if it leads none
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        when_gone()
 
     threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
 

@@ -520,11 +520,11 @@ if os.environ.get("AUTOTUNE_FAKE_GPUS"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "hangup"])
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "hangup", "sigkill"])
 def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
     """SIGTERM reaches the parent alone: it must stop its workers. Ctrl-C in a terminal reaches
     the parent's whole process group: each worker must still get one SIGINT, not two (a second
-    could break its own clean-up)."""
+    could break its own clean-up). A SIGKILLed parent can tell no one: the workers must notice."""
     (tmp_path / "fakegpu").mkdir()
     (tmp_path / "fakegpu" / "sitecustomize.py").write_text(FAKE_GPUS)
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
@@ -544,18 +544,26 @@ def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
             proc.send_signal(signal.SIGTERM)
         elif stop == "hangup":  # the terminal closed: its foreground group hears SIGHUP
             os.killpg(proc.pid, signal.SIGHUP)
+        elif stop == "sigkill":
+            proc.kill()
         else:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
         out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 130, out
-        assert "run the same command to resume" in out and "Traceback" not in out
-        # each worker stopped as an interrupted run does; the old parent let them finish the study
-        assert out.count("ended (exit 130)") == 2, out
-        for log in tmp_path.glob("autotune-studies/trials/*/workers/gpu*.log"):
-            assert "Traceback" not in log.read_text(), log.read_text()
+        if stop == "sigkill":
+            assert proc.returncode == -signal.SIGKILL
+        else:
+            assert proc.returncode == 130, out
+            assert "run the same command to resume" in out and "Traceback" not in out
+            # each worker stopped as an interrupted run does; the old parent let them finish the study
+            assert out.count("ended (exit 130)") == 2, out
         # a worker's fork server started just before the signal exits once it has imported torch
         # and diffusers (it reads its client's exit only then): seconds on a loaded machine
         assert not processes_left_in(tmp_path, wait_s=60)  # workers, their fork servers and trials
+        logs = list(tmp_path.glob("autotune-studies/trials/*/workers/gpu*.log"))
+        assert len(logs) == 2
+        for log in logs:  # each worker stopped as an interrupted run does
+            text = log.read_text()
+            assert "Traceback" not in text and "autotune: interrupted" in text, text
         states = [t.state for t in all_trials(tmp_path)]
         assert optuna.trial.TrialState.RUNNING not in states
         assert optuna.trial.TrialState.WAITING in states  # an interrupted trial, queued again
