@@ -18,7 +18,7 @@ from pathlib import Path
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
-DEFAULT_STORAGE_DIR = Path("autotune-studies")
+DEFAULT_WORKDIR = Path("autotune-studies")
 
 
 class UsageError(Exception):
@@ -185,8 +185,11 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="start trials forked from a preloaded server (fast) or as fresh "
                    "interpreters (default: fork on a CPU, spawn on a GPU)")
     o = p.add_argument_group("storage and output")
-    o.add_argument("--storage", help="Optuna storage URL (default: sqlite:///"
-                   f"{DEFAULT_STORAGE_DIR}/studies.db); journal:PATH for a journal file")
+    o.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db); "
+                   "journal:PATH for a journal file")
+    o.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help="the studies' working files: trial folders, the compile cache, and the "
+                   f"default storage (default: {DEFAULT_WORKDIR})")
     o.add_argument("--study-name", help="share or resume a study by name (default: derived "
                    "from model, workload, budget, device and space)")
     o.add_argument("--output", "-o", type=Path,
@@ -370,8 +373,8 @@ def _tune(args, argv: list[str]) -> int:
                          "nothing could fit")
     threads = args.threads or torch.get_num_threads()
     # The trials' files and compile cache live here even with --storage: check it before a trial.
-    _check_folder(DEFAULT_STORAGE_DIR)
-    storage = args.storage or _default_storage()
+    _check_folder(args.workdir)
+    storage = args.storage or _default_storage(args.workdir)
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
@@ -381,7 +384,7 @@ def _tune(args, argv: list[str]) -> int:
         from .profile import check_writable
 
         check_writable(output)
-    workdir = DEFAULT_STORAGE_DIR / "trials" / study_name
+    workdir = args.workdir / "trials" / study_name
 
     request = TuneRequest(
         spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
@@ -391,7 +394,7 @@ def _tune(args, argv: list[str]) -> int:
         repeats=args.repeats, max_calls=max(args.max_calls, args.repeats), spread_limit=args.spread,
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
-        compile_cache_dir=(DEFAULT_STORAGE_DIR / "compile-cache" / study_name).resolve(),
+        compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
         warm_start=_warm_start_configs(args.warm_start, storage),
         hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
     )
@@ -440,8 +443,8 @@ def _check_folder(folder: Path) -> None:
     reason = why_unwritable(folder)
     if reason:
         raise AutotuneError(
-            f"cannot write {folder} in {Path.cwd()} ({reason}): autotune keeps its trials' "
-            "files there, and its default storage; run it from a writable folder")
+            f"cannot write {folder.absolute()} ({reason}): autotune keeps its trials' files there, "
+            "and its default storage; give --workdir a writable folder")
 
 
 def _write_profile(out, request, outcome, output: Path) -> int:
@@ -607,10 +610,12 @@ def _export(argv: list[str]) -> int:
 
     p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
     p.add_argument("--study-name", required=True)
-    p.add_argument("--storage", help=f"Optuna storage URL (default: sqlite:///{DEFAULT_STORAGE_DIR}/studies.db)")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help=f"where the study ran (default: {DEFAULT_WORKDIR})")
     p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
-    storage = args.storage or f"sqlite:///{DEFAULT_STORAGE_DIR / 'studies.db'}"
+    storage = args.storage or f"sqlite:///{args.workdir / 'studies.db'}"
     try:
         study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage, existing=True))
     except KeyError:
@@ -625,9 +630,9 @@ def _export(argv: list[str]) -> int:
     return _write_profile(out, request, outcome, output)
 
 
-def _default_storage() -> str:
-    DEFAULT_STORAGE_DIR.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{DEFAULT_STORAGE_DIR / 'studies.db'}"
+def _default_storage(workdir: Path) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{workdir / 'studies.db'}"
 
 
 # ---- profiles ------------------------------------------------------------------------------------

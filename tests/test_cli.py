@@ -382,7 +382,22 @@ def test_an_unwritable_working_folder_is_one_line(tmp_path, storage):
     proc = run_cli(*args, *[a.format(tmp=tmp_path) for a in storage], cwd="/proc")
     line = one_line_error(proc)
     assert proc.returncode == 1
-    assert "cannot write autotune-studies in /proc" in line and "run it from a writable folder" in line
+    assert "cannot write /proc/autotune-studies" in line and "give --workdir a writable folder" in line
+
+
+def test_workdir_holds_the_trials_the_compile_cache_and_the_default_storage(cli, tmp_path):
+    """From a folder that takes no file, --workdir elsewhere is all a run needs; export finds the
+    study there too."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = [a.replace("small.yaml", str(tmp_path / "small.yaml")) for a in CHEAP]
+    work = tmp_path / "work"
+    proc = run_cli(*args, "--trials", "1", "--workdir", work, "-o", tmp_path / "p.yaml", cwd="/proc")
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "studies.db").is_file() and list(work.glob("trials/*/trial-*/"))
+    (study,) = [d.name for d in (work / "trials").iterdir()]
+    proc = cli("export", "--study-name", study, "--workdir", work, "-o", "again.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "again.yaml").is_file() and not (tmp_path / "autotune-studies").exists()
 
 
 @pytest.mark.parametrize("output, words", [("afile/p.yaml", ["afile", "in the way"]), ("/proc/p.yaml", ["/proc"]),
