@@ -335,7 +335,6 @@ def _tune(args, argv: list[str]) -> int:
     from dataclasses import replace
 
     from . import console, fingerprint
-    from .errors import SpaceError
     from .knobs import Target
     from .models import check_weights_here, resolve_model
     from .runner import default_launcher
@@ -355,8 +354,6 @@ def _tune(args, argv: list[str]) -> int:
     _check_image_size(spec, workload)
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
 
-    if args.space is not None and not args.space.exists():
-        raise SpaceError(f"search space {args.space}: no such file")
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
     space = space.restrict(target)
     if args.list_knobs:

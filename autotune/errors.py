@@ -1,4 +1,4 @@
-"""Errors a user can act on.
+"""Errors a user can act on, and reading the YAML files a user hands in (one line for each way it fails).
 
 Anything raised as an `AutotuneError` reaches the user as one line (no traceback) and a non-zero
 exit from the CLI; from the Python API it is an ordinary exception with a readable message.
@@ -26,3 +26,24 @@ def os_reason(exc: OSError) -> str:
     if isinstance(exc, FileExistsError):  # mkdir where a file has the folder's name
         return "a file is in the way"
     return exc.strerror or str(exc)
+
+
+def read_yaml(path, what: str, error: type[AutotuneError]):
+    """The data of the YAML file `path` (a `what`: "profile", "search space"), read with the safe
+    loader; each way the file can fail is `error` with one line that names it."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {path}: no such file") from None
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot read it ({os_reason(exc)})") from None
+    except UnicodeDecodeError:
+        raise error(f"{what} {path}: not UTF-8 text (a binary or foreign file?)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise error(f"{what} {path}: not valid YAML{at} (corrupt or truncated?)") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ModelError, ProfileError, os_reason
+from .errors import ModelError, ProfileError, os_reason, read_yaml
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -272,18 +272,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     """Read and validate a profile; warn (ProfileMismatchWarning) when this machine or its
     library versions differ from those it was measured on."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileError(f"profile {path}: no such file") from None
-    except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot read it ({os_reason(exc)})") from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"profile {path}: not UTF-8 text (a binary or foreign file?)") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ProfileError(f"profile {path}: not valid YAML (corrupt or truncated)") from None
+    data = read_yaml(path, "profile", ProfileError)
     validate(data, path)
     profile = Profile(data, path)
     if check_fingerprint:

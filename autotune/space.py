@@ -28,9 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from .errors import SpaceError
+from .errors import SpaceError, read_yaml
 from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, matches
 
 SHIPPED_DIR = Path(str(resources.files("autotune") / "search_spaces"))
@@ -253,18 +252,7 @@ def config_key(config: Config) -> str:
 def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
     if path in seen:
         raise SpaceError(f"search space {path}: 'extends' loops back to itself")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpaceError(f"search space {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise SpaceError(f"search space {path}: not UTF-8 text (a binary or foreign file?)") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where else ""
-        raise SpaceError(f"search space {path}: not valid YAML{at}") from None
+    data = read_yaml(path, "search space", SpaceError)
     if not isinstance(data, dict):
         raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
     unknown = set(data) - {"extends", "knobs", "forbid", "seeds"}

@@ -136,7 +136,7 @@ def test_known_conflicts_are_forbidden():
         ("knobs:\n  dtype: [float32]\nforbid:\n  - {nope: 1}\n", "unknown knob 'nope'"),
         ("knobz:\n  dtype: [float32]\n", "unknown section"),
         ("extends: space.yaml\n", "loops back"),
-        ("extends: missing.yaml\n", "cannot read"),
+        ("extends: missing.yaml\n", "missing.yaml: no such file"),
         ("knobs:\n  quantize: {choices: [none], when: {dtype: float64}}\n", "no choice 'float64'"),
     ],
 )
