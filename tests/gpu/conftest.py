@@ -15,5 +15,5 @@ def restore_process_state():
     yield
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:3]
-    inductor_config.load_config(saved[3])  # torchao's quantize_ and the inductor_flags knob change it
+    inductor_config.load_config(saved[3])  # the inductor_flags knob changes it
     _AttentionBackendRegistry._active_backend = saved[4]
