@@ -14,6 +14,7 @@ import json
 import math
 import re
 import sys
+import threading
 from pathlib import Path
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -216,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
 
     _quiet_libraries()
     terminate_as_interrupt()
-    _stop_when_gpus_parent_dies()
     try:
         if argv and argv[0] in PROFILE_COMMANDS:
             return _profile_command(argv)
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             from .report import main as report_main
 
             return report_main(argv[1:])
+        _stop_when_gpus_parent_dies()
         return _tune(tune_parser().parse_args(argv), argv)
     except UsageError as exc:
         print(f"autotune: error: {exc} (see autotune --help)", file=sys.stderr)
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+INTERRUPTED = threading.Event()  # set once a stop signal has come: the run is stopping
+
+
 def terminate_as_interrupt() -> None:
     """SIGTERM (kill, a container stopping, a job scheduler) and SIGHUP (the terminal closed) end
     a run as Ctrl-C does: the running trial's process group killed, the trial queued again,
@@ -245,9 +249,9 @@ def terminate_as_interrupt() -> None:
     trial's process (or --gpus' workers) running, unsupervised.
     The benchmarks call it too: stopped by `timeout`, they stop their trial the same way."""
     import signal
-    import threading
 
     def interrupt(signum, frame):
+        INTERRUPTED.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
@@ -255,6 +259,8 @@ def terminate_as_interrupt() -> None:
         # a closed terminal or SSH session: --gpus workers run in sessions of their own and hear
         # of it only from here
         signal.signal(signal.SIGHUP, interrupt)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
+            signal.signal(signal.SIGINT, interrupt)  # Python's own, and the record that it came
 
 
 # Set by _tune_on_gpus for its workers (and taken out of the environment before their trials start).
@@ -265,7 +271,8 @@ def _stop_when_gpus_parent_dies() -> None:
     """A --gpus worker whose parent is gone (SIGKILL, OOM killer) stops as on SIGTERM: its trial's
     group killed, the trial queued again. Its own session keeps it out of the parent's signals, so
     left alone it would measure on, unsupervised, beside the workers of the rerun command.
-    If the stop does not end it within a minute, its group is killed."""
+    If the stop does not end it within a minute, its group is killed. No SIGTERM when a stop
+    signal came already: a second KeyboardInterrupt could break the clean-up under way."""
     import os
     import signal
     import time
@@ -273,7 +280,8 @@ def _stop_when_gpus_parent_dies() -> None:
     from . import worker
 
     def stop():
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not INTERRUPTED.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         worker.kill_own_group()
 
@@ -370,8 +378,8 @@ def _tune(args, argv: list[str]) -> int:
                          "nothing could fit")
     threads = args.threads or torch.get_num_threads()
     # The trials' files and compile cache live here even with --storage: check it before a trial.
-    _check_folder(args.workdir)
-    storage = args.storage or _default_storage(args.workdir)
+    _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
+    storage = args.storage or default_storage(args.workdir)
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
@@ -435,7 +443,7 @@ def _check_folder(folder: Path) -> None:
     """The folder exists, or can be made, and takes a new file: one line now, not a traceback when
     the storage or the first trial writes there (run from /proc, a read-only mount)."""
     from .errors import AutotuneError
-    from .profile import why_unwritable
+    from .errors import why_unwritable
 
     reason = why_unwritable(folder)
     if reason:
@@ -607,14 +615,18 @@ def _export(argv: list[str]) -> int:
 
     p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
     p.add_argument("--study-name", required=True)
-    p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
-                   help=f"where the study ran (default: {DEFAULT_WORKDIR})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
+    where.add_argument("--workdir", type=Path,
+                       help=f"the --workdir the study ran with, to find its default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
-    storage = args.storage or f"sqlite:///{args.workdir / 'studies.db'}"
+    storage = args.storage or default_storage(args.workdir)
     try:
         study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage, existing=True))
+    except AutotuneError as exc:
+        hint = "" if args.storage or args.workdir else " (tuned with --workdir? give the same here)"
+        raise AutotuneError(f"no study {args.study_name!r}: {exc}{hint}") from None
     except KeyError:
         raise AutotuneError(f"no study {args.study_name!r} in {storage}") from None
     request = request_of(study, storage)
@@ -627,9 +639,11 @@ def _export(argv: list[str]) -> int:
     return _write_profile(out, request, outcome, output)
 
 
-def _default_storage(workdir: Path) -> str:
-    workdir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{workdir / 'studies.db'}"
+def default_storage(workdir: Path | None = None) -> str:
+    """The storage a run keeps in its working folder when no --storage names another."""
+    from .study import sqlite_url
+
+    return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")
 
 
 # ---- profiles ------------------------------------------------------------------------------------

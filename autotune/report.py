@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from .cli import DEFAULT_WORKDIR, default_storage  # the storage a run keeps by default
 from .errors import AutotuneError, os_reason
 
-DEFAULT_STORAGE = "sqlite:///autotune-studies/studies.db"
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
 
@@ -179,8 +179,6 @@ def _open_storage(url: str):
         return open_storage(url, existing=True)  # a missing file is an error, not created
     except AutotuneError as exc:
         raise ReportError(str(exc)) from None
-    except Exception as exc:  # a file that is no database
-        raise ReportError(f"storage {url}: cannot open it ({type(exc).__name__}: {exc})") from None
 
 
 def load_study(url: str, name: str, label: str | None = None) -> StudyData:
@@ -255,7 +253,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
 def _find_storage(url: str | None, profile_dir: Path) -> str | None:
     if not url:
         return None
-    from .study import storage_file
+    from .study import storage_file, with_storage_file
 
     path = storage_file(url)
     if path is None:
@@ -263,8 +261,7 @@ def _find_storage(url: str | None, profile_dir: Path) -> str | None:
     if path.is_file():
         return url
     if not path.is_absolute() and (profile_dir / path).is_file():
-        prefix = url[: len(url) - len(str(path))]
-        return prefix + str((profile_dir / path).resolve())
+        return with_storage_file(url, (profile_dir / path).resolve())
     return None
 
 
@@ -275,14 +272,14 @@ def _is_url(text: str) -> bool:
 def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
     """Studies to compare, from `sources`: a list, or one string of entries separated by spaces
     or newlines; each `NAME@STORAGE_URL`, a storage URL (all its studies), or a profile path.
-    `studies` names studies in `storage` (default DEFAULT_STORAGE) besides."""
+    `studies` names studies in `storage` (default: default_storage()) besides."""
     if isinstance(sources, str):
         sources = sources.split()
     sources = list(sources or [])
     out: list[StudyData] = []
     for name in studies or []:
         sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
-                       f"{name}@{storage or DEFAULT_STORAGE}")
+                       f"{name}@{storage or default_storage()}")
     if storage and not studies:
         sources.append(storage)
     for entry in sources:
@@ -807,7 +804,10 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("sources", nargs="*", metavar="SOURCE",
                    help="a profile file, NAME@STORAGE_URL, or a storage URL (all its studies)")
-    p.add_argument("--storage", help=f"storage URL of the --study names (default {DEFAULT_STORAGE})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--storage", help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
+    where.add_argument("--workdir", type=Path,
+                       help=f"the --workdir the studies ran with, to find their default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--study", action="append", default=[], metavar="NAME",
                    help="a study in --storage; repeat to compare several")
     p.add_argument("--profile", action="append", default=[], type=Path, help="a profile file; repeatable")
@@ -815,9 +815,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--title", default="autotune: compared studies")
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]
-    storage = args.storage
+    storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
     if not sources and not args.study and not storage:
-        storage = DEFAULT_STORAGE  # every study in the default storage
+        storage = default_storage()  # every study in the default storage
     studies = load(sources, storage=storage, studies=args.study)
     written = write_report(studies, args.out, title=args.title)
     for s in studies:

@@ -182,12 +182,37 @@ def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:
 
 
 def storage_file(url: str) -> Path | None:
-    """The file behind a SQLite or journal storage URL (None for a server database)."""
-    if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///"):])
+    """The file behind a SQLite or journal storage URL (None for a server or in-memory database).
+    Parsed by SQLAlchemy, so that a query string (`?timeout=30`), a driver (`sqlite+pysqlite`)
+    and escapes (`%3F`) mean what they mean when the storage opens."""
     if url.startswith("journal:"):
         return Path(url[len("journal:"):])
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not a URL: open_storage says so
+        return None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        return Path(parsed.database)
     return None
+
+
+def with_storage_file(url: str, path: Path) -> str:
+    """`url` (a SQLite or journal storage URL) with its file replaced by `path`."""
+    if url.startswith("journal:"):
+        return f"journal:{path}"
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=str(path)).render_as_string(hide_password=False)
+
+
+def sqlite_url(path: Path) -> str:
+    """The storage URL of the SQLite file `path`, escaped (a folder named `runs?1` stays one)."""
+    from sqlalchemy.engine import URL
+
+    return URL.create("sqlite", database=str(path)).render_as_string()
 
 
 def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorage:

@@ -47,6 +47,7 @@ def one_line_error(proc):
         (["--storage", "nosuchdb://x", "--trials", "1"], "storage nosuchdb://x: cannot open it"),
         (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
         (["export", "--study-name", "missing"], "studies.db: no such file"),
+        (["export", "--study-name", "x", "--storage", "sqlite:///a.db", "--workdir", "w"], "not allowed with"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
@@ -57,9 +58,11 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
 @pytest.mark.parametrize("args", [
     ["--warm-start", "x@sqlite:///missing.db", "--trials", "1"],
     ["--warm-start", "x@journal:missing.db", "--trials", "1"],
+    ["--warm-start", "x@sqlite:///missing.db?timeout=30", "--trials", "1"],  # a query string: still that file
     ["export", "--study-name", "x", "--storage", "sqlite:///missing.db"],
     ["export", "--study-name", "x", "--storage", "journal:missing.db"],
     ["report", "--storage", "journal:missing.db", "--out", "o"],
+    ["report", "--storage", "sqlite+pysqlite:///missing.db", "--out", "o"],  # a driver named: still SQLite
 ])
 def test_reading_a_missing_storage_says_so_and_creates_nothing(cli, tmp_path, args):
     assert "no such file missing.db" in one_line_error(cli(*args))
@@ -390,7 +393,7 @@ def test_workdir_holds_the_trials_the_compile_cache_and_the_default_storage(cli,
     study there too."""
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     args = [a.replace("small.yaml", str(tmp_path / "small.yaml")) for a in CHEAP]
-    work = tmp_path / "work"
+    work = tmp_path / "work?1"  # a character that means something in a URL
     proc = run_cli(*args, "--trials", "1", "--workdir", work, "-o", tmp_path / "p.yaml", cwd="/proc")
     assert proc.returncode == 0, proc.stderr
     assert (work / "studies.db").is_file() and list(work.glob("trials/*/trial-*/"))

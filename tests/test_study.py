@@ -538,3 +538,19 @@ def test_an_in_memory_sqlite_storage_works(url):
     created, _ = study.open_study(url, "s")
     created.tell(created.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), 1.0)
     assert len(created.trials) == 1
+
+
+@pytest.mark.parametrize("url, file", [
+    ("sqlite:///q.db?timeout=30", "q.db"), ("sqlite+pysqlite:///t.db", "t.db"), ("sqlite:////abs/s.db", "/abs/s.db"),
+    ("sqlite:///runs%3F1/s.db", "runs?1/s.db"), ("journal:j.log", "j.log"),
+    ("sqlite://", None), ("sqlite:///:memory:", None), ("postgresql://u@host/db", None), ("nonsense", None),
+])
+def test_the_file_behind_a_storage_url_is_read_as_sqlalchemy_reads_it(url, file):
+    assert study.storage_file(url) == (Path(file) if file else None)
+
+
+def test_a_folder_with_url_characters_makes_a_storage_url_that_names_it(tmp_path):
+    path = tmp_path / "runs?1 %20" / "studies.db"
+    url = study.sqlite_url(path)
+    assert study.storage_file(url) == path
+    assert study.storage_file(study.with_storage_file("sqlite:///a.db?timeout=30", path)) == path
