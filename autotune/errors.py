@@ -1,4 +1,5 @@
-"""Errors a user can act on, and reading the YAML files a user hands in (one line for each way it fails).
+"""Errors a user can act on, and the file checks that give them in one line (reading the YAML files
+a user hands in, a folder that takes no file).
 
 Anything raised as an `AutotuneError` reaches the user as one line (no traceback) and a non-zero
 exit from the CLI; from the Python API it is an ordinary exception with a readable message.
@@ -28,9 +29,24 @@ def os_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def read_yaml(path, what: str, error: type[AutotuneError]):
+def why_unwritable(folder) -> str | None:
+    """Why no file can be created in `folder` (a Path, made first where missing), or None.
+    Run before a search, so that a path that takes no file fails then, not after it."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return os_reason(exc)
+    return None
+
+
+def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     """The data of the YAML file `path` (a `what`: "profile", "search space"), read with the safe
-    loader; each way the file can fail is `error` with one line that names it."""
+    loader; each way the file can fail is `error` with one line that names it (invalid YAML
+    followed by `hint`)."""
     import yaml
 
     try:
@@ -46,4 +62,4 @@ def read_yaml(path, what: str, error: type[AutotuneError]):
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
-        raise error(f"{what} {path}: not valid YAML{at} (corrupt or truncated?)") from None
+        raise error(f"{what} {path}: not valid YAML{at}{hint}") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ModelError, ProfileError, os_reason, read_yaml
+from .errors import ModelError, ProfileError, os_reason, read_yaml, why_unwritable
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -115,18 +115,6 @@ def _new_file_mode() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
-
-
-def why_unwritable(folder: Path) -> str | None:
-    """Why no file can be created in `folder` (made first where missing, as save does), or None.
-    Run before a search, so that a path that takes no file fails then, not after it."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return os_reason(exc)
-    return None
 
 
 def _not_a_folder(path: Path) -> Path:
@@ -272,7 +260,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     """Read and validate a profile; warn (ProfileMismatchWarning) when this machine or its
     library versions differ from those it was measured on."""
     path = Path(path)
-    data = read_yaml(path, "profile", ProfileError)
+    data = read_yaml(path, "profile", ProfileError, hint=" (corrupt or truncated?)")  # autotune wrote it
     validate(data, path)
     profile = Profile(data, path)
     if check_fingerprint:

@@ -250,7 +250,7 @@ def config_key(config: Config) -> str:
 
 # ---- file parsing ---------------------------------------------------------------------------------
 def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
-    if path in seen:
+    if path.resolve() in seen:  # resolved: `extends: ../spaces/me.yaml` names the same file
         raise SpaceError(f"search space {path}: 'extends' loops back to itself")
     data = read_yaml(path, "search space", SpaceError)
     if not isinstance(data, dict):
@@ -260,7 +260,7 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(unknown))}")
     knobs, forbid, seeds = {}, [], []
     if data.get("extends"):
-        knobs, forbid, seeds = _read_layers(path.parent / str(data["extends"]), seen + (path,))
+        knobs, forbid, seeds = _read_layers(path.parent / str(data["extends"]), seen + (path.resolve(),))
     # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
     own = {} if data.get("knobs") is None else data["knobs"]
     if not isinstance(own, dict):

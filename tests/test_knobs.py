@@ -78,7 +78,7 @@ def test_fuse_qkv_fuses_unet_and_vae_attention():
 
 
 @pytest.mark.parametrize("choice", ["sdpa", "sdpa-math"])
-def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choice):
+def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choice, caplog):
     # diffusers' set_attention_backend also sets a process-wide default, which every processor
     # that names no backend follows: a Flux pipeline configured before or after another pipeline
     # chose a backend (a serving process with two profiles) must keep native SDPA, and the other
@@ -89,8 +89,13 @@ def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choic
         return {getattr(m.processor, "_attention_backend", None) for m in pipe.transformer.modules()
                 if hasattr(m, "processor")}
 
+    import logging
+
+    diffusers_logger = logging.getLogger("diffusers")  # its own handler, no propagation: listen there
+    diffusers_logger.addHandler(caplog.handler)
     try:
         before = build_tiny("flux", {"attention": choice})
+        assert "experimental" not in caplog.text  # the dispatcher's notice: noise in a serving process
         other = build_tiny("flux")
         other.transformer.set_attention_backend("_native_math")  # the other pipeline's choice
         after = build_tiny("flux", {"attention": choice})
@@ -98,6 +103,7 @@ def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choic
         assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH  # left alone
         assert finite(generate(after, "flux"))
     finally:
+        diffusers_logger.removeHandler(caplog.handler)
         _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
 
 

@@ -147,6 +147,13 @@ def test_bad_space_files_give_one_clear_line(tmp_path, text, message):
     assert "\n" not in str(exc.value)
 
 
+def test_an_extends_loop_through_another_path_to_the_same_file_is_caught(tmp_path):
+    path = write(tmp_path, f"extends: ../{tmp_path.name}/space.yaml\n")
+    with pytest.raises(SpaceError, match="loops back") as exc:
+        SearchSpace.from_file(path)
+    assert len(str(exc.value)) < 300
+
+
 def test_every_knob_has_its_default_among_its_choices():
     for knob in CATALOGUE.values():
         assert knob.default in knob.choices

@@ -49,8 +49,9 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 
 
 def _apply_attention(pipe, value, target, config):
-    # "sdpa" is what diffusers installs by default (AttnProcessor2_0): nothing to do, and leaving
-    # the processors alone keeps the fused ones that fuse_qkv may have installed.
+    # "sdpa" is what diffusers installs by default (AttnProcessor2_0): on UNet models and SD3 nothing
+    # to do, and leaving the processors alone keeps the fused ones that fuse_qkv may have installed.
+    # Flux's processors go through the dispatcher: there "sdpa" is pinned, as every choice is.
     if (value == "sdpa" or value in _SDPA_KERNELS) and target.family == "flux":
         _pin_backend(pipe.transformer, "native")  # native SDPA: what the sdpa_kernel context below acts on
     if value in _SLICES:
@@ -75,12 +76,20 @@ def _pin_backend(model, backend: str) -> None:
     without autotune would inherit this one's choice. So every choice is pinned on the processors
     (the public call) and the process-wide default is put back as it was (a private name, hence
     the one place that touches it)."""
+    import logging
+
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     default = _AttentionBackendRegistry._active_backend
+    # Each call logs that the dispatcher is experimental: noise in a serving process that loads a
+    # profile, for a choice the profile measured.
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
         model.set_attention_backend(backend)
     finally:
+        logger.setLevel(level)
         _AttentionBackendRegistry.set_active_backend(default)
 
 

@@ -18,8 +18,8 @@ def _apply_dtype(pipe, value, target, config):
 
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
-            weight = next(component.parameters(), None)
-            cast_model(component, DTYPES[value], weight.device if weight is not None else pipe.device)
+            first = next(component.parameters(), None)  # where the component is: it stays there
+            cast_model(component, DTYPES[value], first.device if first is not None else pipe.device)
     # SDXL's original VAE overflows in float16 (NaN, black images); its config says force_upcast
     # and the pipeline then decodes in float32. Nothing here touches that flag (tests/test_catalogue.py
     # checks it); a VAE whose config says otherwise (the fp16-fix VAE) is float16-safe by its word.
