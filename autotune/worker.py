@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -179,7 +180,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)
         result["error"] = f"{phase}: {type(exc).__name__}: {exc}".splitlines()[0][:500]
-        result["traceback"] = traceback.format_exc()[-4000:]
+        result["traceback"] = traceback_for_result(traceback.format_exc())
+        traceback.print_exc()  # whole, into the trial's log
     finally:
         memory = tracker.report()
         result.update(
@@ -193,6 +195,17 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             worker_s=time.perf_counter() - started,
         )
     return result
+
+
+def traceback_for_result(text: str, limit: int = 4000) -> str:
+    """A traceback short enough for the study's storage: its end, after the lines that name an
+    error (a C++ compile error from inductor is one line among thousands of compiler warnings,
+    and the end alone held only warnings)."""
+    if len(text) <= limit:
+        return text
+    errors = [line for line in text.splitlines() if re.search(r"\berror\b", line, re.IGNORECASE)][:20]
+    head = "\n".join(errors)[: limit // 2]
+    return f"{head}\n...\n{text[-(limit - len(head) - 5):]}" if head else text[-limit:]
 
 
 def write_json(path: Path, data: dict, indent: int | None = None) -> None:

@@ -225,3 +225,15 @@ def test_process_start_names_one_living_process():
     time.sleep(2)  # exited, not yet reaped: a zombie is gone too
     assert worker.process_start(zombie.pid) is None
     zombie.wait()
+
+
+def test_a_long_traceback_keeps_the_lines_that_name_the_error():
+    # what inductor's CppCompileError looked like: one error among thousands of warnings
+    warnings = "\n".join(f"vec512_qint.h:{n}:19: warning: overflow in conversion [-Woverflow]" for n in range(2000))
+    text = ("Traceback (most recent call last):\n" + warnings[:50_000] + "\nkernel.cpp:12:5: error: 'foo' was not declared\n"
+            + warnings + "\ntorch._inductor.exc.InductorError: CppCompileError: C++ compile error\n")
+    kept = worker.traceback_for_result(text)
+    assert len(kept) <= 4000
+    assert "kernel.cpp:12:5: error: 'foo' was not declared" in kept
+    assert kept.endswith("CppCompileError: C++ compile error\n")
+    assert worker.traceback_for_result("short\n") == "short\n"
