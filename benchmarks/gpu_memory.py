@@ -126,4 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout` (terminate_as_interrupt)
+        print("interrupted: nothing written", file=sys.stderr)
+        sys.exit(130)

@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     workdir = (args.workdir or Path(f"/tmp/versus-hand-tuning-{stamp}")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    print(f"working folder: {workdir} (run again with --workdir {workdir} to resume)", flush=True)
     cache = workdir / "inductor-cache"  # one inductor cache for every trial of the run
     pool = Measurements(workdir, trial_timeout, launcher, reuse=not args.no_reuse)
     run_started = time.monotonic()
@@ -902,4 +903,8 @@ def chart(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout` (terminate_as_interrupt)
+        print("interrupted: the measurements so far are kept in the working folder printed at the start", file=sys.stderr)
+        sys.exit(130)
