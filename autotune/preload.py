@@ -27,3 +27,13 @@ from .models import FAMILIES  # noqa: E402
 # diffusers resolves its classes lazily: touch each family's pipeline class to import it now.
 for _family in FAMILIES.values():
     getattr(diffusers, _family.pipeline_class)
+
+# tqdm makes a multiprocessing lock, a named semaphore registered with the study's resource
+# tracker, at its first bar. A trial killed with its group (timeout, Ctrl-C) never unregisters it,
+# and the tracker then warns of a "leaked semaphore" on the user's terminal. A trial is one
+# process drawing no bar across processes: a thread lock does.
+import threading  # noqa: E402
+
+from tqdm import tqdm  # noqa: E402
+
+tqdm.set_lock(threading.RLock())

@@ -237,3 +237,19 @@ def test_a_long_traceback_keeps_the_lines_that_name_the_error():
     assert "kernel.cpp:12:5: error: 'foo' was not declared" in kept
     assert kept.endswith("CppCompileError: C++ compile error\n")
     assert worker.traceback_for_result("short\n") == "short\n"
+
+
+def test_trials_forked_from_the_server_draw_no_semaphore_for_progress_bars(monkeypatch):
+    # tqdm's default lock holds a multiprocessing semaphore, which a forked trial registers with the
+    # study's resource tracker: one killed mid-call left the user's terminal a "leaked semaphore"
+    # warning. The server's preload gives tqdm a thread lock before any trial is forked.
+    import multiprocessing.synchronize
+
+    # set by a fork launcher earlier in this process: preload would send pytest's output to that log
+    monkeypatch.delenv("AUTOTUNE_FORKSERVER_LOG", raising=False)
+    import autotune.preload  # noqa: F401
+    from tqdm import tqdm
+
+    lock = tqdm.get_lock()
+    held = getattr(lock, "locks", [lock])
+    assert not any(isinstance(one, multiprocessing.synchronize.SemLock) for one in held)
