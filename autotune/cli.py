@@ -442,8 +442,7 @@ def _check_image_size(spec, workload) -> None:
 def _check_folder(folder: Path) -> None:
     """The folder exists, or can be made, and takes a new file: one line now, not a traceback when
     the storage or the first trial writes there (run from /proc, a read-only mount)."""
-    from .errors import AutotuneError
-    from .errors import why_unwritable
+    from .errors import AutotuneError, why_unwritable
 
     reason = why_unwritable(folder)
     if reason:
@@ -680,7 +679,7 @@ def _verify(out, profile, args) -> int:
     from . import console, runner, worker
     from .errors import AutotuneError
     from .fingerprint import cuda_available
-    from .sizes import format_size, parse_margin
+    from .sizes import format_size
 
     # The device is checked here, as Profile._target does when serving: else the replay fails
     # inside torch (an unknown name, or CUDA absent) after a costly start.
@@ -707,19 +706,17 @@ def _verify(out, profile, args) -> int:
         # spawn: a fresh interpreter, as a serving process starts
         result = runner.run_trial(request, Path(tmp), timeout_s=args.trial_timeout, launcher="spawn")
     # No verdict (None) when the replay failed: it measured no peak.
-    budget = profile.budget_bytes
-    margin = parse_margin(profile.margin, budget)
     peak = result.get("peak_memory_bytes") or 0
     fits = profile.fits(peak) if result["status"] == worker.OK else None
-    console.print_verification(out, profile, result, fits=fits, margin_bytes=margin)
+    console.print_verification(out, profile, result, fits=fits, margin_bytes=profile.margin_bytes())
     if fits is None:
         print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",
               file=sys.stderr)
         return EXIT_ERROR
     if not fits:
         print(f"autotune: error: the replayed peak memory ({format_size(peak)}) plus the profile's "
-              f"margin ({profile.margin}, {format_size(margin)}) is above the profile's budget "
-              f"({format_size(budget)})", file=sys.stderr)
+              f"margin ({profile.margin}, {format_size(profile.margin_bytes())}) is above the profile's budget "
+              f"({format_size(profile.budget_bytes)})", file=sys.stderr)
         return EXIT_NO_FIT
     return 0
 

@@ -201,11 +201,15 @@ class Profile:
     def config(self) -> Config:
         return complete(self.best["config"])
 
+    def margin_bytes(self, budget_bytes: int | None = None) -> int:
+        """The profile's safety margin under `budget_bytes` (by default the profile's own budget)."""
+        return parse_margin(self.margin, self.budget_bytes if budget_bytes is None else budget_bytes)
+
     def fits(self, peak_bytes: int, budget_bytes: int | None = None) -> bool:
         """Whether a peak plus the profile's safety margin is within `budget_bytes` (by default
         the profile's own budget): the rule the study judged its trials by."""
         budget_bytes = self.budget_bytes if budget_bytes is None else budget_bytes
-        return peak_bytes + parse_margin(self.margin, budget_bytes) <= budget_bytes
+        return peak_bytes + self.margin_bytes(budget_bytes) <= budget_bytes
 
     def choose(self, budget_bytes: int | None = None) -> dict:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
