@@ -768,14 +768,6 @@ def tune(
             study.tell(trial, state=TrialState.PRUNED)
             duplicates_in_a_row += 1
             continue
-        if key in done:
-            earlier = study.trials[done[key]]
-            trial.set_user_attr("result", earlier.user_attrs["result"])
-            _record(trial, **earlier.user_attrs["violations"])
-            trial.set_user_attr("duplicate_of", earlier.number)
-            study.tell(trial, earlier.value)
-            duplicates_in_a_row += 1
-            continue
         # Another worker may have drawn the same config a moment ago. Each writes its key before
         # it looks (above), so of two racing trials the one that wrote later sees the other, and
         # steps back; its number says nothing about when it wrote. When both wrote before either
@@ -784,6 +776,17 @@ def tune(
         if twin is not None:
             trial.set_user_attr("duplicate_of_running", twin)
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
+            duplicates_in_a_row += 1
+            continue
+        # Read the measured configs again, after the running ones: a twin that finished since
+        # the top of the loop is running no more, and only this second read sees it done.
+        done = measured()
+        if key in done:
+            earlier = study.trials[done[key]]
+            trial.set_user_attr("result", earlier.user_attrs["result"])
+            _record(trial, **earlier.user_attrs["violations"])
+            trial.set_user_attr("duplicate_of", earlier.number)
+            study.tell(trial, earlier.value)
             duplicates_in_a_row += 1
             continue
         so_far = summarize(study).records

@@ -392,6 +392,45 @@ def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(
     assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # measured once, after the twin died
 
 
+def test_a_config_another_worker_finished_meanwhile_is_not_measured_again(tmp_path, monkeypatch):
+    """Another worker is measuring bfloat16 when this worker reads which configs are done, and
+    finishes it just after. This worker then draws bfloat16, and finds it neither running nor in
+    the list it read a moment ago: it must read again, or the config is measured twice."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    bf16 = {**baseline(), "dtype": "bfloat16"}
+    heartbeat = study._heartbeat
+    twin = []
+
+    def heartbeat_and_the_other_worker(storage_, trial):
+        heartbeat(storage_, trial)
+        if trial.number == 0:  # the other worker starts measuring bfloat16
+            template = optuna.trial.create_trial(
+                state=TrialState.RUNNING,
+                user_attrs={"config": bf16, "config_key": config_key(bf16), "worker": "other",
+                            "heartbeat_at": time.time()},
+                system_attrs={"retry_history": [-1] * (study.MAX_RETRIES + 1)})
+            twin.append(storage_.create_new_trial(trial.study._study_id, template_trial=template))
+            trial.study.enqueue_trial(space.params(bf16))  # so that this worker draws it next
+        elif trial.number == 2:  # this worker drew bfloat16; the other worker finishes it now
+            other = optuna.trial.Trial(trial.study, twin[0])
+            other.set_user_attr("result", {"status": "ok", "latency_s": 0.5, "peak_memory_bytes": 500 * MiB})
+            study._record(other, memory=-0.5)
+            trial.study.tell(other, 0.5)
+
+    monkeypatch.setattr(study, "_heartbeat", heartbeat_and_the_other_worker)
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(request(space, tmp_path, trials=3, storage=storage), measure=measure)
+    assert sorted(c["dtype"] for c in measured) == ["float16", "float32"]  # bfloat16: the other worker's
+    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    assert trials[2].user_attrs["config_key"] == config_key(bf16)
+    assert trials[2].user_attrs.get("duplicate_of") == twin[0] and trials[2].state == TrialState.COMPLETE
+
 def test_a_confirmed_configs_p90_is_never_below_its_median():
     # one trial's p90 (0.95 s) can lie below the median of the config's trials (1.0 s)
     record = study.TrialRecord(0, baseline(), "ok", {"latency_s": 0.9, "p90_s": 0.95}, -1.0,
