@@ -17,9 +17,10 @@ import sys
 import threading
 from pathlib import Path
 
+from .storages import DEFAULT_WORKDIR, default_storage
+
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
-DEFAULT_WORKDIR = Path("autotune-studies")
 
 
 class UsageError(Exception):
@@ -482,7 +483,8 @@ def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
     """The configs of earlier fronts: from profile files, or from studies (NAME@URL or NAME)."""
     from .errors import AutotuneError
     from .profile import load_profile
-    from .study import open_storage, summarize
+    from .storages import open_storage
+    from .study import summarize
     import optuna
 
     configs: list[dict] = []
@@ -533,7 +535,8 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     from . import runner, worker
     from .fingerprint import visible_gpus
-    from .study import open_storage, prepare, summarize
+    from .storages import open_storage
+    from .study import prepare, summarize
 
     # --gpus numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set
     visible = visible_gpus()
@@ -607,7 +610,8 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 def _export(argv: list[str]) -> int:
     """Write the profile of a stored study, from any machine that reaches its storage."""
     from . import console
-    from .study import open_storage, request_of, summarize
+    from .storages import open_storage
+    from .study import request_of, summarize
     from .errors import AutotuneError
     from .sizes import short_size
     import optuna
@@ -636,13 +640,6 @@ def _export(argv: list[str]) -> int:
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")
     return _write_profile(out, request, outcome, output)
-
-
-def default_storage(workdir: Path | None = None) -> str:
-    """The storage a run keeps in its working folder when no --storage names another."""
-    from .study import sqlite_url
-
-    return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")
 
 
 # ---- profiles ------------------------------------------------------------------------------------

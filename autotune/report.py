@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from .cli import DEFAULT_WORKDIR, default_storage  # the storage a run keeps by default
 from .errors import AutotuneError, os_reason
+from .storages import DEFAULT_WORKDIR, default_storage, open_storage, storage_file, with_storage_file
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -173,8 +173,6 @@ def _timeline(trials) -> list[Span]:
 
 
 def _open_storage(url: str):
-    from .study import open_storage
-
     try:
         return open_storage(url, existing=True)  # a missing file is an error, not created
     except AutotuneError as exc:
@@ -185,7 +183,7 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
     """One study of a storage, as measured: points, front, best, baseline, timeline."""
     import optuna
 
-    from .study import storage_file, summarize
+    from .study import summarize
 
     storage = _open_storage(url)
     try:
@@ -253,8 +251,6 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
 def _find_storage(url: str | None, profile_dir: Path) -> str | None:
     if not url:
         return None
-    from .study import storage_file, with_storage_file
-
     path = storage_file(url)
     if path is None:
         return url  # a database server: try it

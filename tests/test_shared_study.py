@@ -46,7 +46,7 @@ def start(tmp_path, *args, env=None):
 
 
 def measured_trials(url):
-    from autotune.study import open_storage  # journal:PATH as autotune reads it
+    from autotune.storages import open_storage  # journal:PATH as autotune reads it
 
     study = optuna.load_study(study_name="shared", storage=open_storage(url))
     return study, [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
@@ -145,7 +145,7 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried_by_the_other(tmp_path, 
 POP_QUEUED = """
 import json, sys, time
 import optuna
-from autotune.study import open_storage
+from autotune.storages import open_storage
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 study = optuna.load_study(study_name="race", storage=open_storage(sys.argv[1]))
 while time.time() < float(sys.argv[2]):
@@ -161,7 +161,7 @@ print(json.dumps(taken))
 
 def test_an_sqlite_study_hands_each_queued_trial_to_one_worker(tmp_path):
     """Optuna takes a queued trial by reading WAITING, then writing RUNNING; SQLite ignores the
-    row lock meant to make that atomic, so without study._serialize_sqlite_transactions two
+    row lock meant to make that atomic, so without storages._serialize_sqlite_transactions two
     workers took the same trial (40 queued, 4 processes: 7 taken twice)."""
     import json
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune import study
+from autotune import storages, study
 from autotune.knobs import Target, baseline
 from autotune.models import resolve_model
 from autotune.space import Dimension, SearchSpace
@@ -143,7 +143,7 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
     study._heartbeat(shared._storage, trial)
     study._fail_stale_trials(shared)
     assert shared.trials[0].state == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh
-    monkeypatch.setattr(time, "time", lambda: shared.trials[0].user_attrs["heartbeat_at"] + study.GRACE_S + 1)
+    monkeypatch.setattr(time, "time", lambda: shared.trials[0].user_attrs["heartbeat_at"] + storages.GRACE_S + 1)
     study._fail_stale_trials(shared)
     states = [t.state for t in shared.trials]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
@@ -341,20 +341,20 @@ def test_a_claim_left_by_a_killed_confirmer_is_taken_over(tmp_path, monkeypatch)
 
     from autotune.space import config_key
 
-    monkeypatch.setattr(study, "GRACE_S", 1.0)
+    monkeypatch.setattr(storages, "GRACE_S", 1.0)
     space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
     storage = f"journal:{tmp_path / 'study.journal'}"
     base, bf16 = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
     measure, calls = drifting_measure({base: [1.00, 0.97, 1.02], bf16: [0.90, 0.96, 0.91]})
     study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)  # the search alone
-    shared = optuna.load_study(study_name="s", storage=study.open_storage(storage))
+    shared = optuna.load_study(study_name="s", storage=storages.open_storage(storage))
     dead = study._claim_confirmation(shared)  # as a worker killed right after it claimed
     assert dead is not None and study._claim_confirmation(shared) is None  # held: nobody else claims
 
     outcome = study.tune(request(space, tmp_path, trials=2, storage=storage, confirm_rounds=2), measure=measure)
     assert calls[2:] == [(bf16, 1), (base, 1), (bf16, 2), (base, 2)]
     assert outcome.best.config["dtype"] == "bfloat16" and len(outcome.best.latencies_s) == 3
-    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
     claims = [t for t in trials if study.CONFIRMER in t.user_attrs]
     assert [t.state for t in claims] == [TrialState.FAIL, TrialState.FAIL]  # the dead one, then this worker's
     assert not [t for t in trials if t.state == TrialState.WAITING]  # no claim queued again as a trial
@@ -369,7 +369,7 @@ def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(
 
     from autotune.space import config_key
 
-    monkeypatch.setattr(study, "GRACE_S", 1.0)  # the twin's worker then dies: its trial goes stale
+    monkeypatch.setattr(storages, "GRACE_S", 1.0)  # the twin's worker then dies: its trial goes stale
     space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
     storage = f"journal:{tmp_path / 'study.journal'}"
     bf16 = config_key({**baseline(), "dtype": "bfloat16"})
@@ -381,13 +381,13 @@ def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(
         if trial.number == 1 and not twins:  # right after this worker asked for trial 1
             template = optuna.trial.create_trial(
                 state=TrialState.RUNNING, user_attrs={"config_key": bf16, "heartbeat_at": time.time()},
-                system_attrs={"retry_history": [-1] * (study.MAX_RETRIES + 1)})
+                system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)})
             twins.append(storage_.create_new_trial(trial.study._study_id, template_trial=template))
 
     monkeypatch.setattr(study, "_heartbeat", heartbeat_then_twin)
     measure, measured = fake_measure(lambda c: 1.0)
     study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
-    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
     assert trials[1].user_attrs.get("duplicate_of_running") == 2 and trials[1].state == TrialState.FAIL
     assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # measured once, after the twin died
 
@@ -414,7 +414,7 @@ def test_a_config_another_worker_finished_meanwhile_is_not_measured_again(tmp_pa
                 state=TrialState.RUNNING,
                 user_attrs={"config": bf16, "config_key": config_key(bf16), "worker": "other",
                             "heartbeat_at": time.time()},
-                system_attrs={"retry_history": [-1] * (study.MAX_RETRIES + 1)})
+                system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)})
             twin.append(storage_.create_new_trial(trial.study._study_id, template_trial=template))
             trial.study.enqueue_trial(space.params(bf16))  # so that this worker draws it next
         elif trial.number == 2:  # this worker drew bfloat16; the other worker finishes it now
@@ -427,7 +427,7 @@ def test_a_config_another_worker_finished_meanwhile_is_not_measured_again(tmp_pa
     measure, measured = fake_measure(lambda c: 1.0)
     study.tune(request(space, tmp_path, trials=3, storage=storage), measure=measure)
     assert sorted(c["dtype"] for c in measured) == ["float16", "float32"]  # bfloat16: the other worker's
-    trials = optuna.load_study(study_name="s", storage=study.open_storage(storage)).trials
+    trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
     assert trials[2].user_attrs["config_key"] == config_key(bf16)
     assert trials[2].user_attrs.get("duplicate_of") == twin[0] and trials[2].state == TrialState.COMPLETE
 
@@ -446,7 +446,7 @@ def test_a_worker_whose_trial_was_given_up_as_stale_goes_on(tmp_path, monkeypatc
     crashed telling a finished trial), and the config is measured by the retry."""
     import optuna
 
-    monkeypatch.setattr(study, "GRACE_S", 1)
+    monkeypatch.setattr(storages, "GRACE_S", 1)
     url = f"journal:{tmp_path / 'j.log'}" if storage == "journal" else f"sqlite:///{tmp_path / 's.db'}"
     measured, paused = [], []
 
@@ -454,7 +454,7 @@ def test_a_worker_whose_trial_was_given_up_as_stale_goes_on(tmp_path, monkeypatc
         if not paused:  # the first trial: paused, and given up by another worker meanwhile
             paused.append(req["config"])
             time.sleep(2.5)
-            other = optuna.load_study(study_name="s", storage=study.open_storage(url))
+            other = optuna.load_study(study_name="s", storage=storages.open_storage(url))
             study._fail_stale_trials(other)
             tick()  # the first heartbeat after waking
         measured.append(req["config"])
@@ -462,7 +462,7 @@ def test_a_worker_whose_trial_was_given_up_as_stale_goes_on(tmp_path, monkeypatc
 
     outcome = study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=3, confirm_rounds=0),
                          measure=measure)
-    given_up = [r for r in optuna.load_study(study_name="s", storage=study.open_storage(url)).trials
+    given_up = [r for r in optuna.load_study(study_name="s", storage=storages.open_storage(url)).trials
                 if r.state == optuna.trial.TrialState.FAIL]
     assert len(given_up) == 1 and "result" not in given_up[0].user_attrs
     assert len(outcome.records) == 3
@@ -475,13 +475,13 @@ def test_a_retried_journal_trial_is_not_stale_before_its_first_heartbeat(tmp_pat
     worker that took the retry must not see it failed as stale before its first heartbeat."""
     import optuna
 
-    monkeypatch.setattr(study, "GRACE_S", 1)
+    monkeypatch.setattr(storages, "GRACE_S", 1)
     url = f"journal:{tmp_path / 'j.log'}"
     dead, _ = study.open_study(url, "s")
     trial = dead.ask({"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])})
     study._heartbeat(dead._storage, trial)  # then its worker dies
     time.sleep(1.5)
-    alive = optuna.load_study(study_name="s", storage=study.open_storage(url))
+    alive = optuna.load_study(study_name="s", storage=storages.open_storage(url))
     study._fail_stale_trials(alive)  # queues the config again, with the old heartbeat_at
     retry = alive.ask()
     assert alive._storage.get_trial(retry._trial_id).user_attrs.get("heartbeat_at")  # inherited
@@ -585,11 +585,11 @@ def test_an_in_memory_sqlite_storage_works(url):
     ("sqlite://", None), ("sqlite:///:memory:", None), ("postgresql://u@host/db", None), ("nonsense", None),
 ])
 def test_the_file_behind_a_storage_url_is_read_as_sqlalchemy_reads_it(url, file):
-    assert study.storage_file(url) == (Path(file) if file else None)
+    assert storages.storage_file(url) == (Path(file) if file else None)
 
 
 def test_a_folder_with_url_characters_makes_a_storage_url_that_names_it(tmp_path):
     path = tmp_path / "runs?1 %20" / "studies.db"
-    url = study.sqlite_url(path)
-    assert study.storage_file(url) == path
-    assert study.storage_file(study.with_storage_file("sqlite:///a.db?timeout=30", path)) == path
+    url = storages.sqlite_url(path)
+    assert storages.storage_file(url) == path
+    assert storages.storage_file(storages.with_storage_file("sqlite:///a.db?timeout=30", path)) == path

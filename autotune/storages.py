@@ -1,0 +1,146 @@
+"""Where studies are kept: Optuna storages opened from the URLs users type, and the default one.
+
+A URL is read as SQLAlchemy reads it (`storage_file`), so the file autotune checks or resolves
+is the file the storage opens. RDB storages (SQLite, PostgreSQL, MySQL) get Optuna's heartbeats,
+and a journal file gets the ones study.py keeps as trial attributes, with the same settings
+(HEARTBEAT_S, GRACE_S, MAX_RETRIES), so that a trial left RUNNING by a killed worker is failed and
+retried.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import AutotuneError
+
+if TYPE_CHECKING:  # optuna is imported where a storage opens: the CLI's --help stays quick
+    import optuna
+
+HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial runs
+# A RUNNING trial without a heartbeat for this long was orphaned: failed, retried. The environment
+# variable shortens it for the tests that kill workers.
+GRACE_S = float(os.environ.get("AUTOTUNE_STALE_AFTER_S", 20))
+MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
+DEFAULT_WORKDIR = Path("autotune-studies")  # trial folders, compile cache and the default storage
+
+
+def default_storage(workdir: Path | None = None) -> str:
+    """The storage a run keeps in its working folder when no --storage names another."""
+    return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")
+
+
+def storage_file(url: str) -> Path | None:
+    """The file behind a SQLite or journal storage URL (None for a server or in-memory database).
+    Parsed by SQLAlchemy, so that a query string (`?timeout=30`), a driver (`sqlite+pysqlite`)
+    and escapes (`%3F`) mean what they mean when the storage opens."""
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):])
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not a URL: open_storage says so
+        return None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        return Path(parsed.database)
+    return None
+
+
+def with_storage_file(url: str, path: Path) -> str:
+    """`url` (a SQLite or journal storage URL) with its file replaced by `path`."""
+    if url.startswith("journal:"):
+        return f"journal:{path}"
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=str(path)).render_as_string(hide_password=False)
+
+
+def sqlite_url(path: Path) -> str:
+    """The storage URL of the SQLite file `path`, escaped (a folder named `runs?1` stays one)."""
+    from sqlalchemy.engine import URL
+
+    return URL.create("sqlite", database=str(path)).render_as_string()
+
+
+def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorage:
+    """The storage behind a URL, or one clear AutotuneError (bad URL, server down, no driver).
+
+    `existing`: only read what is there; a SQLite or journal file that is missing is an error
+    instead of being created empty (for warm starts, export and reports).
+
+    RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
+    killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
+    import optuna
+
+    if url == "memory":  # nothing kept: for replays and tests of the search itself
+        return optuna.storages.InMemoryStorage()
+    path = storage_file(url)
+    if existing and path is not None and not path.is_file():
+        raise AutotuneError(f"storage {url}: no such file {path}")
+    try:
+        if url.startswith("journal:"):
+            from optuna.storages.journal import JournalFileBackend
+
+            return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
+        return _rdb_storage(url)
+    except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise AutotuneError(f"storage {url}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+
+
+def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    import optuna
+    from sqlalchemy.exc import IntegrityError
+
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(
+                    url,
+                    heartbeat_interval=HEARTBEAT_S,
+                    grace_period=GRACE_S,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=MAX_RETRIES),
+                    # SQLite: a worker waits for another's write rather than fail at 5 s
+                    engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
+                )
+                if storage.engine.name == "sqlite" and storage.engine.url.database not in (None, "", ":memory:"):
+                    _serialize_sqlite_transactions(storage.engine)  # an in-memory one has one user
+                return storage
+        except IntegrityError:
+            # Workers starting together on an empty PostgreSQL database race to create Optuna's
+            # tables (duplicate key in pg_type); the loser finds them made a moment later.
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _serialize_sqlite_transactions(engine) -> None:
+    """Make every SQLite transaction take the write lock when it begins (BEGIN IMMEDIATE).
+
+    Optuna hands a queued trial to a worker by reading that it is WAITING and then writing
+    RUNNING, under SELECT ... FOR UPDATE, which SQLite ignores: two workers sharing an SQLite
+    study (`--gpus`, or two commands) both read WAITING and both took the trial (40 queued
+    trials, 4 processes: 7 handed out twice), then measured one config in one trial folder
+    and one of them crashed telling a finished trial. With the lock taken at BEGIN the second
+    reader waits and sees RUNNING. Workers write a few rows a second, so waiting costs
+    milliseconds. The recipe is SQLAlchemy's for pysqlite (its docs, "Serializable isolation"):
+    keep the driver from issuing its own deferred BEGIN, issue ours."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _driver_begins_nothing(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners (Optuna's table check) go
