@@ -107,6 +107,32 @@ def test_flux_with_sdpa_is_pinned_to_native_and_leaves_the_process_default(choic
         _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE
 
 
+def test_pinning_a_backend_drops_diffusers_notice_and_nothing_else(caplog):
+    # Another warning logged while the backend is pinned (another thread's, in a serving
+    # process) still shows; only the dispatcher's "experimental" notice goes.
+    import logging
+
+    from autotune.knobs.attention import _pin_backend
+
+    pipe = build_tiny("flux")
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    set_backend = pipe.transformer.set_attention_backend
+
+    def set_backend_while_another_thread_warns(backend):
+        logger.warning("a warning from another thread")
+        set_backend(backend)
+
+    pipe.transformer.set_attention_backend = set_backend_while_another_thread_warns
+    diffusers_logger = logging.getLogger("diffusers")  # its own handler, no propagation: listen there
+    diffusers_logger.addHandler(caplog.handler)
+    try:
+        _pin_backend(pipe.transformer, "native")
+    finally:
+        diffusers_logger.removeHandler(caplog.handler)
+    assert "a warning from another thread" in caplog.text
+    assert "experimental" not in caplog.text
+
+
 @pytest.mark.parametrize("family", ["sdxl", "sd15", "sd3", "flux"])
 def test_fuse_qkv_drops_the_separate_projections_and_changes_no_output(family):
     from autotune.knobs.layout import drop_unfused_projections

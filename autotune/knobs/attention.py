@@ -82,15 +82,19 @@ def _pin_backend(model, backend: str) -> None:
 
     default = _AttentionBackendRegistry._active_backend
     # Each call logs that the dispatcher is experimental: noise in a serving process that loads a
-    # profile, for a choice the profile measured.
+    # profile, for a choice the profile measured. A filter drops that one notice, so a warning
+    # another thread logs meanwhile still shows (lowering the logger's level would hide it).
     logger = logging.getLogger("diffusers.models.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.addFilter(_drop_experimental_notice)
     try:
         model.set_attention_backend(backend)
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(_drop_experimental_notice)
         _AttentionBackendRegistry.set_active_backend(default)
+
+
+def _drop_experimental_notice(record) -> bool:
+    return not record.getMessage().startswith("Attention backends are an experimental feature")
 
 
 def _xformers_unusable() -> str | None:
