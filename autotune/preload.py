@@ -7,12 +7,31 @@ of the CUDA driver, for any library that asks at import time.
 """
 
 import os
+import threading
 
 # What libraries print while importing goes to the server's log, not the user's terminal.
 if os.environ.get("AUTOTUNE_FORKSERVER_LOG"):
     _log = os.open(os.environ["AUTOTUNE_FORKSERVER_LOG"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(_log, 1)
     os.dup2(_log, 2)
+
+# multiprocessing's server notices that autotune has gone (Ctrl-C, SIGKILL) only once these
+# imports are done: seconds, a minute on a loaded machine, of a busy core, with the resource
+# tracker it shares kept alive and autotune's output pipes held open meanwhile. A watcher ends
+# the server at once instead, and stops when the imports are done, so that no thread is left in
+# the process every trial is forked from.
+_parent = os.getppid()
+_imported = threading.Event()
+
+
+def _exit_if_orphaned() -> None:
+    while not _imported.wait(0.2):
+        if os.getppid() != _parent:
+            os._exit(0)
+
+
+_watch = threading.Thread(target=_exit_if_orphaned, name="autotune-preload-watch", daemon=True)
+_watch.start()
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -32,8 +51,9 @@ for _family in FAMILIES.values():
 # tracker, at its first bar. A trial killed with its group (timeout, Ctrl-C) never unregisters it,
 # and the tracker then warns of a "leaked semaphore" on the user's terminal. A trial is one
 # process drawing no bar across processes: a thread lock does.
-import threading  # noqa: E402
-
 from tqdm import tqdm  # noqa: E402
 
 tqdm.set_lock(threading.RLock())
+
+_imported.set()
+_watch.join()

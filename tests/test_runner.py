@@ -253,3 +253,44 @@ def test_trials_forked_from_the_server_draw_no_semaphore_for_progress_bars(monke
     lock = tqdm.get_lock()
     held = getattr(lock, "locks", [lock])
     assert not any(isinstance(one, multiprocessing.synchronize.SemLock) for one in held)
+
+
+SERVER_PARENT = """
+import sys, time
+from multiprocessing import forkserver
+from pathlib import Path
+from autotune import runner
+runner._fork_context(Path(sys.argv[1]))
+forkserver.ensure_running()  # spawns the server, which starts importing; no wait for it
+print(forkserver._forkserver._forkserver_pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, not reaped yet
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_fork_server_still_importing_ends_when_autotune_is_killed(tmp_path):
+    # Killed (SIGKILL, or a Ctrl-C) while its fork server imports torch and diffusers, autotune
+    # left the server importing on: a busy core, and the output pipes it shares held open until
+    # the imports were done (seconds; a minute on a loaded machine). It must end at once.
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import autotune.preload"], check=True, env=os.environ)
+    importing_s = time.monotonic() - started
+    if importing_s < 4:
+        pytest.skip(f"the imports take {importing_s:.1f} s here: too quick to tell an early end from a late one")
+    parent = subprocess.Popen([sys.executable, "-c", SERVER_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    server = int(parent.stdout.readline())
+    time.sleep(0.5)
+    assert not _gone(server)
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while not _gone(server) and time.monotonic() - killed < importing_s:
+        time.sleep(0.05)
+    assert _gone(server)
+    assert time.monotonic() - killed < 2.0, f"the server ended {time.monotonic() - killed:.1f} s after autotune"
