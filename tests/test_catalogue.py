@@ -500,6 +500,30 @@ def test_inductor_flags_set_the_guides_settings(inductor_config):
         assert inductor_config.force_fuse_int_mm_with_mul is True
 
 
+def test_a_false_global_flag_puts_back_what_the_process_had(inductor_config):
+    # TF32, the cuDNN autotuner and the inductor flags are process-wide. In a serving process a
+    # second profile that says False must get the state its own trial measured (a fresh
+    # process's), not the first profile's True. Applied knob by knob: tf32 and the cuDNN
+    # autotuner are CUDA-only choices, but what they set is readable on any machine.
+    fresh = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+             inductor_config.save_config())
+    on = complete({"compile": "default", "quantize": "int8dq", "tf32": True, "cudnn_benchmark": True,
+                   "inductor_flags": True})
+    off = complete({"compile": "default"})
+    try:
+        for config in (on, off):
+            for knob in (CATALOGUE["tf32"], CATALOGUE["cudnn_benchmark"], CATALOGUE["inductor_flags"]):
+                knob.apply(None, config[knob.name], cpu("sdxl"), config)
+            if config is on:
+                assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.benchmark
+                assert inductor_config.coordinate_descent_tuning is True
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                torch.backends.cudnn.benchmark, inductor_config.save_config()) == fresh
+    finally:
+        torch.set_float32_matmul_precision(fresh[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = fresh[1], fresh[2]
+
+
 def test_tracing_is_documented_as_superseded():
     from autotune.knobs import compile as compile_knobs
 

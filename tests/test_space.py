@@ -287,3 +287,23 @@ def test_a_space_file_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(SpaceError, match="not UTF-8 text") as exc:
         SearchSpace.from_file(path)
     assert "\n" not in str(exc.value)
+
+
+def test_compile_is_dropped_on_a_cpu_where_inductor_finds_no_compiler(tmp_path):
+    # Inductor looks for $CXX, else g++ (Linux): a c++ on PATH that it would not use must not
+    # keep compile as a choice, or every compiled trial fails. A subprocess: the search is cached.
+    import shutil
+    import subprocess
+    import sys
+
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler here to put under another name")
+    (tmp_path / "c++").symlink_to(gxx)
+    code = ("from autotune.knobs import Target\nfrom autotune.space import SearchSpace, SHIPPED_DIR\n"
+            "space = SearchSpace.from_file(SHIPPED_DIR / 'sd15.yaml').restrict(Target(device='cpu', family='sd15'))\n"
+            "print({d.reason for d in space.dropped if d.knob == 'compile'})")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CXX"}
+    seen = subprocess.run([sys.executable, "-c", code], env={**env, "PATH": str(tmp_path)},
+                          capture_output=True, text=True, check=True).stdout
+    assert "needs a C++ compiler inductor finds" in seen and "g++" in seen

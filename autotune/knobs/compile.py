@@ -14,8 +14,6 @@ TorchScript in favour of torch.compile/torch.export, which keep the module and t
 
 from __future__ import annotations
 
-import shutil
-
 from .base import Knob, denoiser, denoiser_class, nothing
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -43,8 +41,20 @@ def _compile_unavailable(value, target):
         return None
     if value in CUDA_GRAPH_MODES and not target.is_cuda:
         return f"mode {value} captures CUDA graphs: CUDA only"
-    if not target.is_cuda and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-        return "torch.compile on the CPU needs a C++ compiler (none found on PATH)"
+    if not target.is_cuda:
+        return _no_cpp_compiler()
+    return None
+
+
+def _no_cpp_compiler() -> str | None:
+    # Inductor's own search ($CXX, else g++ on Linux): a c++ or clang++ on PATH that it would not
+    # use does not make compile a choice.
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # InvalidCxxCompiler, or the search's own OSError
+        return f"torch.compile on the CPU needs a C++ compiler inductor finds ({str(exc).strip().splitlines()[0]})"
     return None
 
 
@@ -93,7 +103,10 @@ COMPILE_VAE = Knob(
 )
 
 # The SDXL guide's inductor settings ("Accelerate inference of text-to-image diffusion models").
-# Process-global: a trial is its own process. Set here alone (torchao is told not to set its own).
+# Process-global: a trial is its own process, and in serving, applying a profile sets them for the
+# whole process. Set here alone (torchao is told not to set its own), and by both choices, so that a
+# pipeline configured after another profile's compiles as its own trial did: False puts back what
+# the process had before autotune set any (in a trial, torch's defaults).
 _GUIDE_FLAGS = {
     "conv_1x1_as_mm": True,
     "coordinate_descent_tuning": True,
@@ -103,16 +116,26 @@ _GUIDE_FLAGS = {
 _INT8_FLAGS = {"force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}  # with dynamic int8
 
 
-def _apply_inductor_flags(pipe, value, target, config):
-    if not value:
-        return
+def _inductor_flags_before() -> dict:
     from torch._inductor import config as inductor
 
-    flags = dict(_GUIDE_FLAGS)
-    if config["quantize"] in ("int8dq", "int8dq-filtered"):
-        flags.update(_INT8_FLAGS)
+    # flags come and go between torch releases: those this torch has
+    return {name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS} if hasattr(inductor, name)}
+
+
+_INDUCTOR_BEFORE = _inductor_flags_before()
+
+
+def _apply_inductor_flags(pipe, value, target, config):
+    from torch._inductor import config as inductor
+
+    flags = dict(_INDUCTOR_BEFORE)
+    if value:
+        flags.update(_GUIDE_FLAGS)
+        if config["quantize"] in ("int8dq", "int8dq-filtered"):
+            flags.update(_INT8_FLAGS)
     for name, setting in flags.items():
-        if hasattr(inductor, name):  # flags come and go between torch releases
+        if name in _INDUCTOR_BEFORE:
             setattr(inductor, name, setting)
 
 

@@ -84,34 +84,49 @@ VAE_FP16_FIX = Knob(
 )
 
 
-# The two flags below are process-global. A trial is its own process, and in production they are
-# set when the profile is applied; the default (False) leaves whatever the process has.
+# The two flags below are process-global: a trial is its own process, and in serving, applying a
+# profile sets them for the whole process. Both choices set them, so that a pipeline configured
+# after another profile's gets the state its own trial measured: False puts back what the process
+# had before autotune set any (in a trial, torch's defaults).
+def _matmul_precision() -> str | None:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # pytorch#196728: the per-backend setter was used; that is left alone
+        return None
+
+
+_BEFORE = {"matmul": _matmul_precision(), "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+           "cudnn_benchmark": torch.backends.cudnn.benchmark}
+
+
 def _apply_tf32(pipe, value, target, config):
-    if not value:
-        return
     # Through the process-wide matmul precision, which sets cuBLAS's TF32 as the per-backend
     # setter would. Inductor still reads it (torch.get_float32_matmul_precision), and that getter
     # raises once the per-backend setter (torch.backends.cuda.matmul.fp32_precision = "tf32") has
     # been used: every max-autotune compile then fails (pytorch#196728).
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.allow_tf32 = True  # torch's default for convolutions, in case it was turned off
+    matmul = "high" if value else _BEFORE["matmul"]
+    if matmul is not None:
+        torch.set_float32_matmul_precision(matmul)
+    # Convolutions run in TF32 by torch's default, in both choices (the float32 reference too):
+    # True makes sure of it, False keeps what the process had.
+    torch.backends.cudnn.allow_tf32 = True if value else _BEFORE["cudnn_tf32"]
 
 
 TF32 = Knob(
     name="tf32",
     choices=(False, True),
     default=False,
-    help="TF32 tensor-core math for float32 matmuls and convolutions (Ampere+; tiny drift)",
+    help="TF32 tensor-core math for float32 matmuls (Ampere+; tiny drift); convolutions use TF32 "
+    "by torch's default either way",
     apply=_apply_tf32,
     unavailable=needs_cuda("TF32"),
 )
 
 
 def _apply_cudnn_benchmark(pipe, value, target, config):
-    if value:
-        # cuDNN times its convolution algorithms at the first call of each shape and keeps the
-        # fastest: the warm-up pays for it.
-        torch.backends.cudnn.benchmark = True
+    # True: cuDNN times its convolution algorithms at the first call of each shape and keeps the
+    # fastest (the warm-up pays for it).
+    torch.backends.cudnn.benchmark = True if value else _BEFORE["cudnn_benchmark"]
 
 
 CUDNN_BENCHMARK = Knob(
