@@ -104,6 +104,11 @@ def test_memory_dominance_needs_every_other_knob_equal():
     assert study.memory_dominated({**baseline(), "channels_last": True}, [ran_out]) is None  # unknown
     fitted = study.TrialRecord(0, {**baseline(), "dtype": "bfloat16"}, "ok", {}, 0.0, violations={"memory": -0.1})
     assert study.memory_dominated(baseline(), [fitted]) is None
+    # float16 needs more than bfloat16 (SDXL's VAE decodes upcast to float32, T5 keeps its `wo`
+    # layers in float32): a float16 config that ran out says nothing of the same in bfloat16
+    fp16_ran_out = _record_of({**baseline(), "dtype": "float16"}, 0)
+    assert study.memory_dominated({**baseline(), "dtype": "bfloat16"}, [fp16_ran_out]) is None
+    assert study.memory_dominated(baseline(), [fp16_ran_out]) is fp16_ran_out
 
 
 def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_path):
