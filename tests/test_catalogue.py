@@ -441,6 +441,23 @@ def test_balanced_placement_needs_more_than_one_gpu():
 
 
 
+def test_balanced_placement_counts_quantized_weights_at_their_stored_size():
+    # diffusers' assignment sends a component larger than a GPU's free memory to the CPU: an
+    # int8 denoiser counted as bfloat16 (what torchao's tensors report) would be sent there.
+    from autotune.knobs.memory import stored_bytes
+
+    plain = build_tiny("sdxl", {"dtype": "bfloat16"})
+    quantized = build_tiny("sdxl", {"dtype": "bfloat16", "quantize": "int8wo"})
+    linear = {n for n, m in plain.unet.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear_bytes = sum(p.numel() * 2 for n, m in plain.unet.named_modules() if n in linear for p in m.parameters())
+    int8_weights = sum(m.weight.numel() for n, m in quantized.unet.named_modules()
+                       if n in linear and type(m.weight).__module__.startswith("torchao"))
+    assert int8_weights > 0
+    saved = stored_bytes(plain.unet) - stored_bytes(quantized.unet)
+    # an int8 weight takes 1 byte of 2, less the per-row scales it adds
+    assert 0.8 * int8_weights <= saved <= int8_weights and saved < linear_bytes
+
+
 def test_balanced_placement_attaches_the_hooks_that_align_inputs():
     # Two GPUs cannot be had here: the dispatch of one component runs for real, with accelerate,
     # to the CPU. Without force_hooks a one-device map attaches no hook, and a component fed

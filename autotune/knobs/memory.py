@@ -132,7 +132,7 @@ def _apply_placement(pipe, value, target, config):
     from diffusers.pipelines.pipeline_loading_utils import _assign_components_to_devices
 
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
-    sizes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in modules.items()}
+    sizes = {n: stored_bytes(m) for n, m in modules.items()}
     sizes = dict(sorted(sizes.items(), key=lambda item: item[1], reverse=True))
     free = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
     free = dict(sorted(free.items(), key=lambda item: item[1], reverse=True))
@@ -141,6 +141,21 @@ def _apply_placement(pipe, value, target, config):
     for name, device in device_map.items():
         dispatch_whole(modules[name], device)
     pipe.hf_device_map = device_map
+
+
+def stored_bytes(module) -> int:
+    """The bytes a module's parameters take where they are stored. A torchao-quantized weight
+    reports its original dtype's element size (int8 counted as bfloat16: twice its size), so a
+    tensor subclass is counted by the tensors it holds (torch's __tensor_flatten__ protocol)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def size(tensor) -> int:
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            return sum(size(getattr(tensor, name)) for name in names)
+        return tensor.numel() * tensor.element_size()
+
+    return sum(size(p) for p in module.parameters())
 
 
 def dispatch_whole(module, device) -> None:
