@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -101,9 +102,13 @@ def _size(text: str) -> int:
     from .sizes import parse_size
 
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if re.fullmatch(r"\s*[\d.]+\s*", text):  # "8" would be 8 bytes: a whole search for nothing
+        raise argparse.ArgumentTypeError(f"'{text}' has no unit: did you mean {text.strip()}GB? "
+                                         "(examples: 8GB, 7.5GiB, 8000MiB; B for bytes)")
+    return size
 
 
 def measurement_defaults() -> dict:
@@ -378,9 +383,15 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError(f"--margin {args.margin} is not under the budget {format_size(budget)}: "
                          "nothing could fit")
     threads = args.threads or torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    if threads > cores:  # every call would fight for the cores: trials time out, nothing is learnt
+        raise UsageError(f"--threads {threads}: this machine has {cores} CPU cores")
+    if args.study_name is not None:
+        _check_study_name(args.study_name)
     # The trials' files and compile cache live here even with --storage: check it before a trial.
     _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     storage = args.storage or default_storage(args.workdir)
+    _check_storage_keeps(storage)
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
@@ -389,6 +400,7 @@ def _tune(args, argv: list[str]) -> int:
         # The profile is written after the search: a path that takes no file fails now, not then.
         from .profile import check_writable
 
+        _check_not_the_storage(output, storage)
         check_writable(output)
     workdir = args.workdir / "trials" / study_name
 
@@ -440,6 +452,30 @@ def _check_image_size(spec, workload) -> None:
                              f"{multiple} pixels, such as {near}")
 
 
+def _check_study_name(name: str) -> None:
+    # The name is a folder under --workdir (trials, compile cache): it must stay one folder there.
+    if not name.strip() or "/" in name or os.sep in name or name in (".", ".."):
+        raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
+
+
+def _check_storage_keeps(storage: str) -> None:
+    """An in-memory storage keeps nothing: the trials would be lost when the run ends."""
+    from .storages import keeps_nothing
+
+    if keeps_nothing(storage):
+        raise UsageError(f"--storage {storage} keeps nothing after the run: give a file "
+                         "(sqlite:///PATH, journal:PATH) or a database server")
+
+
+def _check_not_the_storage(output: Path, storage: str) -> None:
+    from .storages import storage_file
+
+    kept = storage_file(storage)
+    if kept is not None and output.resolve() == kept.resolve():
+        raise UsageError(f"--output {output} is the study's storage {storage}: writing the profile "
+                         "there would destroy the measured trials")
+
+
 def _check_folder(folder: Path) -> None:
     """The folder exists, or can be made, and takes a new file: one line now, not a traceback when
     the storage or the first trial writes there (run from /proc, a read-only mount)."""
@@ -454,8 +490,17 @@ def _check_folder(folder: Path) -> None:
 
 def _write_profile(out, request, outcome, output: Path) -> int:
     from . import profile as profile_io
+    from .errors import AutotuneError
     from .sizes import format_size
 
+    from .worker import OUT_OF_MEMORY
+
+    if outcome.best is None and not any(r.peak_memory_bytes or r.latency_s or r.status == OUT_OF_MEMORY
+                                        for r in outcome.records):
+        # nothing was measured: not a budget too small (exit 3), a run that learnt nothing
+        print(f"autotune: error: no trial completed a measurement ({outcome.stop_reason}); no profile "
+              "written", file=sys.stderr)
+        return EXIT_ERROR
     if outcome.best is None:
         smallest = outcome.smallest_peak_bytes
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
@@ -469,7 +514,11 @@ def _write_profile(out, request, outcome, output: Path) -> int:
               "no profile written", file=sys.stderr)
         return EXIT_NO_FIT
     document = profile_io.build(request, outcome, storage_label=request.storage)
-    path = profile_io.save(document, output)
+    try:
+        path = profile_io.save(document, output)
+    except AutotuneError as exc:  # checked before the search, yet the file can go bad meanwhile
+        raise AutotuneError(f"{exc}; the measured trials are kept: autotune export --study-name "
+                            f"{request.study_name} --storage {request.storage} -o OTHER.yaml") from None
     out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
     return 0
 
@@ -625,6 +674,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
     storage = args.storage or default_storage(args.workdir)
+    if args.output:
+        _check_not_the_storage(args.output, storage)
     try:
         study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage, existing=True))
     except AutotuneError as exc:
@@ -639,6 +690,7 @@ def _export(argv: list[str]) -> int:
     out = console.terminal()
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")
+    _check_not_the_storage(output, storage)
     return _write_profile(out, request, outcome, output)
 
 

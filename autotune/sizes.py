@@ -35,7 +35,8 @@ def parse_margin(text: str, budget: int) -> int:
         if not 0 <= percent < 100:
             raise ValueError(f"margin '{text}' must be from 0% to under 100%")
         return int(budget * percent / 100)
-    if text in ("0", "0B"):
+    zero = _SIZE.match(text)
+    if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit
         return 0
     try:
         return parse_size(text)

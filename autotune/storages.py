@@ -33,6 +33,21 @@ def default_storage(workdir: Path | None = None) -> str:
     return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")
 
 
+def keeps_nothing(url: str) -> bool:
+    """Whether the storage lives in memory only: autotune's "memory", SQLite's `sqlite://` and
+    `:memory:` (a study there is gone when the run ends)."""
+    if url == "memory":
+        return True
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not a URL (journal:PATH, or nonsense open_storage reports)
+        return False
+    return parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:")
+
+
 def storage_file(url: str) -> Path | None:
     """The file behind a SQLite or journal storage URL (None for a server or in-memory database).
     Parsed by SQLAlchemy, so that a query string (`?timeout=30`), a driver (`sqlite+pysqlite`)
@@ -82,6 +97,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     path = storage_file(url)
     if existing and path is not None and not path.is_file():
         raise AutotuneError(f"storage {url}: no such file {path}")
+    if url.startswith("journal:") and path is not None:
+        _check_journal(url, path)
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend
@@ -91,6 +108,29 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         raise AutotuneError(f"storage {url}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+
+
+def _check_journal(url: str, path: Path) -> None:
+    """A file that is there must be an Optuna journal: Optuna takes a last line it cannot parse
+    for a record cut short by a crash, and appends its own after it, into the user's file."""
+    import json
+
+    try:
+        with path.open("rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return  # a new journal: Optuna creates it
+    except OSError as exc:
+        raise AutotuneError(f"storage {url}: cannot read {path} ({exc.strerror or exc})") from None
+    if not first:
+        return
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or "op_code" not in record:
+        raise AutotuneError(f"storage {url}: {path} is not an Optuna journal file (its first line is no "
+                            "journal record); name a new file or an existing journal")
 
 
 def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:

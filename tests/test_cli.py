@@ -48,6 +48,12 @@ def one_line_error(proc):
         (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
         (["export", "--study-name", "missing"], "studies.db: no such file"),
         (["export", "--study-name", "x", "--storage", "sqlite:///a.db", "--workdir", "w"], "not allowed with"),
+        (["--vram", "8"], "'8' has no unit: did you mean 8GB?"),  # else 8 bytes, and a search for nothing
+        (["--threads", "9999", "--trials", "1"], "--threads 9999: this machine has"),
+        (["--study-name", "../../elsewhere", "--trials", "1"], "one folder name"),  # out of --workdir
+        (["--storage", "sqlite://", "--trials", "1"], "keeps nothing after the run"),
+        (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
+        (["-o", "autotune-studies/studies.db", "--trials", "1"], "would destroy the measured trials"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
@@ -67,6 +73,38 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
 def test_reading_a_missing_storage_says_so_and_creates_nothing(cli, tmp_path, args):
     assert "no such file missing.db" in one_line_error(cli(*args))
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_file_that_is_no_journal_is_refused_and_left_as_it_was(cli, tmp_path):
+    # Optuna takes an unparsable last line for a record cut short, and appends after it
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    assert "notes.txt is not an Optuna journal file" in one_line_error(cli("--storage", "journal:notes.txt", "--trials", "1"))
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_a_storage_that_cannot_be_written_is_one_line(cli, tmp_path):
+    import optuna
+
+    optuna.create_study(storage=f"sqlite:///{tmp_path / 'ro.db'}", study_name="other")
+    # read-only through SQLite's own URI mode: root ignores file permissions
+    line = one_line_error(cli("--storage", "sqlite:///file:ro.db?mode=ro&uri=true", "--trials", "1"))
+    assert "cannot write the study there (attempt to write a readonly database)" in line
+
+
+def test_a_run_that_measured_nothing_is_an_error_not_a_budget_too_small(cli):
+    proc = cli("--model", "tiny-sd15", "--height", "64", "--width", "64", "--steps", "2", "--threads", "1",
+               "--trials", "4", "--timeout", "0.001")
+    assert proc.returncode == 1  # 3 says "nothing fits": nothing was measured
+    assert "no trial completed a measurement (--timeout 0.001 s reached)" in one_line_error(proc)
+
+
+def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
+    import optuna
+
+    optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s")
+    line = one_line_error(cli("export", "--study-name", "s", "--storage", "sqlite:///s.db", "-o", "s.db"))
+    assert "would destroy the measured trials" in line
+    assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")  # still a database
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,8 @@ def test_short_sizes_parse_back_to_the_same_bytes():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("5%", 2**30 // 20), ("0", 0), ("0%", 0), ("512MB", 512 * 2**20), ("12.5%", 2**30 // 8)],
+    [("5%", 2**30 // 20), ("0", 0), ("0%", 0), ("512MB", 512 * 2**20), ("12.5%", 2**30 // 8),
+     ("0MB", 0), ("0.0", 0), ("0b", 0)],  # no margin, in any unit
 )
 def test_margin_is_a_share_of_the_budget_or_a_size(text, expected):
     assert parse_margin(text, 2**30) == expected
