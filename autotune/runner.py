@@ -145,17 +145,19 @@ def run_trial(
     started = time.perf_counter()
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)
     try:
+        deadline = started + timeout_s
         while True:
-            returncode = child.wait(tick_every_s)
+            # never past the deadline: a --trial-timeout under one tick is held too
+            returncode = child.wait(max(0.0, min(tick_every_s, deadline - time.perf_counter())))
             if returncode is not None:
                 break
             if tick:
                 tick()
-            if time.perf_counter() - started > timeout_s:
+            if time.perf_counter() >= deadline:
                 _kill_group(child)
                 return {
                     "status": worker.TIMEOUT,
-                    "error": f"no result after {timeout_s:.0f} s (--trial-timeout); killed",
+                    "error": f"no result after {timeout_s:g} s (--trial-timeout); killed",
                     "wall_s": time.perf_counter() - started,
                     "launcher": launcher,
                 }

@@ -18,6 +18,7 @@ journal files through a heartbeat kept here as a trial attribute).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -239,11 +240,16 @@ def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[
     one creates it (the storage refuses a second study of the same name): that one seeds it."""
     backend = storages.open_storage(storage)
     try:
-        study = optuna.create_study(storage=backend, study_name=study_name, direction="minimize",
-                                    sampler=make_sampler(seed))
-        return study, True
-    except optuna.exceptions.DuplicatedStudyError:
-        return optuna.load_study(storage=backend, study_name=study_name, sampler=make_sampler(seed)), False
+        try:
+            study = optuna.create_study(storage=backend, study_name=study_name, direction="minimize",
+                                        sampler=make_sampler(seed))
+            return study, True
+        except optuna.exceptions.DuplicatedStudyError:
+            return optuna.load_study(storage=backend, study_name=study_name, sampler=make_sampler(seed)), False
+    except optuna.exceptions.StorageInternalError as exc:  # a read-only file or database, a full disk
+        cause = exc.__cause__
+        detail = str(getattr(cause, "orig", None) or cause or exc).strip().splitlines()
+        raise AutotuneError(f"storage {storage}: cannot write the study there ({detail[0] if detail else exc})") from None
 
 
 def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None = None) -> TrialRecord | None:
@@ -382,7 +388,10 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
     if result["status"] != worker.OK:
-        hint = "; --min-psnr 0 tunes without the quality guard" if req.min_psnr_db else ""
+        if result["status"] == worker.TIMEOUT:
+            hint = f"; the baseline needs longer than --trial-timeout {req.trial_timeout_s:g} s here: raise it"
+        else:
+            hint = "; --min-psnr 0 tunes without the quality guard" if req.min_psnr_db else ""
         raise AutotuneError(
             f"the reference output (float32, nothing enabled) could not be generated: "
             f"{result['status']}: {result.get('error', '')}{hint}"
@@ -427,13 +436,18 @@ def _request_attr(req: TuneRequest) -> dict:
         "max_calls": req.max_calls,
         "spread_limit": req.spread_limit,
         "min_psnr_db": req.min_psnr_db,
+        # as searched here (after dropping what cannot run): knob -> choices, and its condition
+        # (through JSON, as storages keep it, so that a resumed run compares like with like)
+        "space": json.loads(json.dumps({d.name: {"choices": list(d.choices), "when": d.when}
+                                        for d in req.space.dimensions})),
     }
 
 
 # What a study's measurements mean: a worker or a resumed run that asks for another of these
 # would mix incomparable trials, or judge them against another budget (their feasibility is stored
 # with them). The timing loop's settings (repeats, spread) only change precision: they may differ.
-DEFINING = ("model", "workload", "budget_bytes", "margin_bytes", "device", "threads", "min_psnr_db")
+# The space too: a queued trial, or the sampler's history, holds choices another space lacks.
+DEFINING = ("model", "workload", "budget_bytes", "margin_bytes", "device", "threads", "min_psnr_db", "space")
 
 
 def _defining(request: dict) -> dict:
@@ -447,9 +461,15 @@ def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
     wanted = _defining(asked)
     differ = [k for k, value in _defining(held).items() if value != wanted[k]]
     if differ:
-        shown = "; ".join(f"{k} {held[k]} there, {asked[k]} here" for k in differ)
+        shown = "; ".join(_space_difference(held[k], asked[k]) if k == "space" else f"{k} {held[k]} there, {asked[k]} here"
+                          for k in differ)
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
                             "its trials do not mix with these; use another --study-name")
+
+
+def _space_difference(held: dict, asked: dict) -> str:
+    changed = sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
+    return f"the search space ({', '.join(changed)} searched differently: resume with the same --space)"
 
 
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:
@@ -458,7 +478,9 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
     from .workload import Workload
 
     attr = study.user_attrs.get("request")
-    if not attr or "threads" not in attr:
+    needed = ("model", "workload", "budget_bytes", "device", "family", "margin", "repeats", "max_calls",
+              "spread_limit", "warmup", "threads", "min_psnr_db")
+    if not isinstance(attr, dict) or any(k not in attr for k in needed):
         raise AutotuneError(f"study {study.study_name}: it was not written by this version of autotune "
                             "(no request recorded)")
     return TuneRequest(
@@ -510,8 +532,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
             if guard is None:
                 study.set_user_attr("quality_guard", timings)
         elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
-            timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
-            study.set_user_attr("precision_probe", timings)
+            try:
+                timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
+                study.set_user_attr("precision_probe", timings)
+            except AutotuneError:
+                pass  # the seeds keep their precision; the baseline trial shows what fails here
     finally:
         # Seeds go in after the calibration, whose two calls say which precision is fast here; in
         # `finally`, because a study created here and interrupted in its calibration would never get
@@ -621,7 +646,7 @@ def tune(
                       "not to fit")
             break
         if _past(deadline):
-            reason = f"--timeout {req.timeout_s:.0f} s reached"
+            reason = f"--timeout {req.timeout_s:g} s reached"
             break
         stale = trials_since_improvement(study)
         if req.patience and stale >= req.patience:

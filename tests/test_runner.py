@@ -294,3 +294,11 @@ def test_a_fork_server_still_importing_ends_when_autotune_is_killed(tmp_path):
         time.sleep(0.05)
     assert _gone(server)
     assert time.monotonic() - killed < 2.0, f"the server ended {time.monotonic() - killed:.1f} s after autotune"
+
+
+def test_a_trial_timeout_under_one_tick_is_held(tmp_path):
+    # the parent looks at the child once per tick (1 s): a shorter --trial-timeout waited a tick
+    result = runner.run_trial(request(), tmp_path, timeout_s=0.3, launcher="spawn")
+    assert result["status"] == worker.TIMEOUT
+    assert result["wall_s"] < 0.9, result
+    assert "no result after 0.3 s" in result["error"]

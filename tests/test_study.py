@@ -512,6 +512,21 @@ def test_a_study_refuses_a_run_that_measures_something_else(tmp_path):
         study.tune(bigger, measure=measure)
     with pytest.raises(AutotuneError, match="budget_bytes"):
         study.tune(replace(first, budget_bytes=2 * first.budget_bytes), measure=measure)
+    # another space: a queued trial or the sampler's history holds choices this one lacks
+    other = replace(first, space=SearchSpace([Dimension("dtype", ("float32", "float16"))]))
+    with pytest.raises(AutotuneError, match=r"the search space \(dtype searched differently: resume with the same --space\)"):
+        study.tune(other, measure=measure)
+
+
+def test_a_baseline_slower_than_the_trial_timeout_says_so(tmp_path):
+    from autotune.errors import AutotuneError
+
+    def too_slow(req: dict, trial_dir: Path, tick) -> dict:
+        return {"status": "timeout", "error": "no result after 5 s (--trial-timeout); killed"}
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    with pytest.raises(AutotuneError, match="the baseline needs longer than --trial-timeout 5 s here: raise it"):
+        study.tune(request(space, tmp_path, trials=2, min_psnr_db="auto", trial_timeout_s=5.0), measure=too_slow)
 
 
 def test_the_timeout_holds_for_the_confirmation_rounds(tmp_path):
