@@ -309,6 +309,15 @@ def _quiet_libraries() -> None:
     # torchao 0.18 registers its enums with torch 2.13's pytree, which warns at import that this
     # is deprecated: a notice for torchao's developers, printed on every run that lists knobs
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # A warning that does show (a profile from another machine, say) is one line for the user,
+    # not Python's file:line and source line of the call that warned.
+    import warnings
+
+    warnings.showwarning = _one_line_warning
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"autotune: warning: {message}", file=file or sys.stderr)
 
 
 # ---- tune --------------------------------------------------------------------------------------

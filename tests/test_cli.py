@@ -645,3 +645,10 @@ def test_a_model_alias_not_in_the_cache_fails_before_any_trial(cli, tmp_path, mo
     assert not (tmp_path / "autotune-studies" / "trials").exists()  # no trial started
     assert time.monotonic() - started < 60
     assert cli("--model", "sdxl", "--list-knobs").returncode == 0  # the space needs no weights
+
+
+def test_a_warning_reaches_the_user_as_one_line():
+    # e.g. a --warm-start profile from another machine: not Python's file:line and source line
+    code = "from autotune import cli; cli._quiet_libraries(); import warnings; warnings.warn('profiled elsewhere')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stderr == "autotune: warning: profiled elsewhere\n"
