@@ -359,7 +359,7 @@ def _tune(args, argv: list[str]) -> int:
 
     from . import console, fingerprint
     from .knobs import Target
-    from .models import check_weights_here, resolve_model
+    from .models import FAMILIES, check_weights_here, resolve_model
     from .runner import default_launcher
     import torch
 
@@ -375,6 +375,10 @@ def _tune(args, argv: list[str]) -> int:
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
     _check_image_size(spec, workload)
+    try:  # what no pipeline call could run (a seed torch's generator refuses)
+        workload.check(FAMILIES[spec.family].pixel_multiple)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
 
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)

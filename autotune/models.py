@@ -14,6 +14,7 @@ code path runnable without them:
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -77,18 +78,52 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d) -> "ModelSpec":
-        try:
-            return cls(
-                name=d["name"],
-                family=d["family"],
-                kind=d["kind"],
-                source=d.get("source"),
-                pipeline_class=d["pipeline_class"],
-                denoiser=d["denoiser"],
-                default_workload=Workload.from_dict(d["default_workload"]),
-            )
-        except (KeyError, TypeError) as e:
-            raise ModelError(f"malformed model spec {d!r}: missing or invalid {e}") from e
+        problem = spec_problem(d)
+        if problem:
+            raise ModelError(f"malformed model spec: {problem}")
+        return cls(
+            name=d["name"],
+            family=d["family"],
+            kind=d["kind"],
+            source=d.get("source"),
+            pipeline_class=d["pipeline_class"],
+            denoiser=d["denoiser"],
+            default_workload=Workload.from_dict(d["default_workload"]),
+        )
+
+
+SPEC_KEYS = ("name", "family", "kind", "pipeline_class", "denoiser", "default_workload")
+
+
+def spec_problem(d) -> str | None:
+    """What keeps `d` (ModelSpec.to_dict's mapping, read from a file) from being a model spec, in
+    a user's words, or None: checked when the file is read, not as a TypeError when a trial builds it."""
+    if not isinstance(d, dict):
+        return f"expected a mapping of {', '.join(SPEC_KEYS)}, not {d!r:.40}"
+    missing = [k for k in SPEC_KEYS if k not in d]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    for key in SPEC_KEYS[:-1]:
+        if not isinstance(d[key], str):
+            return f"{key} must be text, not {d[key]!r:.40}"
+    if d["family"] not in FAMILIES:
+        return f"unknown model family '{d['family']}': use one of {', '.join(FAMILIES)}"
+    if d["kind"] not in KINDS:
+        return f"unknown model kind '{d['kind']}': use one of {', '.join(KINDS)}"
+    family = FAMILIES[d["family"]]
+    if (d["pipeline_class"], d["denoiser"]) != (family.pipeline_class, family.denoiser):
+        return (f"family {d['family']} is a {family.pipeline_class} with a {family.denoiser}, not a "
+                f"{d['pipeline_class']} with a {d['denoiser']}")
+    source = d.get("source")
+    if source is not None and not isinstance(source, str):
+        return f"source must be text (a hub id or a model folder), not {source!r:.40}"
+    if d["kind"] == "pretrained" and not source:
+        return "a pretrained model needs a source (a hub id or a model folder)"
+    try:
+        Workload.from_dict(d["default_workload"])
+    except ValueError as exc:
+        return f"default_workload {exc}"
+    return None
 
 
 def _spec(
@@ -218,12 +253,30 @@ def check_weights_here(spec: ModelSpec) -> None:
         _from_hub_cache(spec.source)
 
 
-def _from_hub_cache(hub_id: str) -> ModelSpec:
+def _is_path(source: str) -> bool:
+    """Whether a source names a folder rather than a hub id ("org/name", which holds a / too)."""
+    return source.startswith(("/", "./", "../", "~")) or (os.sep in source and not _HUB_ID.fullmatch(source))
+
+
+def _cached_index(source: str) -> str:
+    """The cached model_index.json of a source that is no folder here. A source written as a
+    path is a folder that is gone: said so, not as the hub's complaint about a repo id."""
+    if _is_path(source):
+        there = " (a file is there)" if Path(source).expanduser().exists() else ""
+        raise ModelError(f"no such model folder {source}{there}")
     from huggingface_hub import try_to_load_from_cache
 
-    index = try_to_load_from_cache(hub_id, "model_index.json")
+    try:
+        index = try_to_load_from_cache(source, "model_index.json")
+    except ValueError:  # HFValidationError: not a repo id the hub allows
+        raise ModelError(f"'{source}' is neither a model folder nor a hub id (org/name)") from None
     if not isinstance(index, str):  # None (never fetched) or a marker that it does not exist
-        raise _not_cached(hub_id)
+        raise _not_cached(source)
+    return index
+
+
+def _from_hub_cache(hub_id: str) -> ModelSpec:
+    index = _cached_index(hub_id)
     family = _family_from_index(Path(index), f"'{hub_id}'")
     return _spec(hub_id, family, "pretrained", hub_id)
 
@@ -278,10 +331,7 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
     import diffusers
 
     if not Path(spec.source).is_dir():
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(spec.source, "model_index.json"), str):
-            raise _not_cached(spec.source)
+        _cached_index(spec.source)
     pipeline_class = getattr(diffusers, spec.pipeline_class)
     try:
         with warnings.catch_warnings():

@@ -21,9 +21,9 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ModelError, ProfileError, os_reason, read_yaml, why_unwritable
+from .errors import ProfileError, os_reason, read_yaml, why_unwritable
 from .knobs import Config, Target, apply_config, build_configured, complete
-from .models import ModelSpec
+from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_margin
 from .workload import Workload
 
@@ -251,13 +251,26 @@ class Profile:
     def mismatches(self) -> list[str]:
         machine = self.data["machine"]
         here = fingerprint.machine(machine["device"]) if _device_here(machine["device"]) else {"device": "cpu"}
-        return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
-            self.data["software"], fingerprint.software(), SOFTWARE_KEYS
+        return _differences(machine, here, MACHINE_KEYS, "unknown") + _differences(
+            self.data["software"], fingerprint.software(), SOFTWARE_KEYS, "not installed"
         )
 
 
 def _device_here(device: str) -> bool:
     return not device.startswith("cuda") or fingerprint.cuda_available()
+
+
+def _differences(recorded: dict, current: dict, keys, absent: str) -> list[str]:
+    """A line for each key whose value differs; a value one side lacks (a GPU's name on a machine
+    without that GPU, a library not installed) is `absent` there, not None."""
+    lines = []
+    for key in keys:
+        was, now = recorded.get(key), current.get(key)
+        if was != now:
+            was = f"profiled on {was!r}" if was is not None else f"{absent} when profiled"
+            now = f"here {now!r}" if now is not None else f"{absent} here"
+            lines.append(f"{key}: {was}, {now}")
+    return lines
 
 
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
@@ -284,6 +297,20 @@ OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs
 def _is_number(value) -> bool:
     """A real, finite number: not a bool (YAML's true is an int to Python), not text."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_measurement(measured: dict, path) -> None:
+    """How the figures were measured, which `autotune verify` replays: counts of 1 or more and a
+    positive spread, or null (absent: the replay takes the CLI's defaults)."""
+    for key in ("threads", "warmup_calls_min", "timed_calls_min", "timed_calls_max"):
+        value = measured.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ProfileError(f"profile {path}: measurement.{key} must be a whole number, 1 or more, "
+                               f"or null, not {value!r:.40}")
+    spread = measured.get("spread_limit")
+    if spread is not None and (not _is_number(spread) or spread <= 0):
+        raise ProfileError(f"profile {path}: measurement.spread_limit must be a positive fraction "
+                           f"(0.05 for 5%) or null, not {spread!r:.40}")
 
 
 def _check_point(point, where: str, path) -> None:
@@ -341,12 +368,19 @@ def validate(data, path) -> None:
         _check_point(data["baseline"], "baseline", path)
     for i, point in enumerate(data["pareto"]):
         _check_point(point, f"pareto[{i}]", path)
+    _check_measurement(data.get("measurement") or {}, path)
+    problem = spec_problem(data["model"])
+    if problem:
+        raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")
     try:
-        ModelSpec.from_dict(data["model"])
-        Workload.from_dict(data["workload"])
+        workload = Workload.from_dict(data["workload"])
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: workload {exc}") from None
+    try:  # the checks the CLI makes of --height and the rest, so that a replay can run it
+        workload.check(FAMILIES[data["model"]["family"]].pixel_multiple)
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: workload.{exc}") from None
+    try:
         parse_margin(budget.get("margin", "0"), int(budget["memory_bytes"]))
-    except ModelError:
-        raise ProfileError(f"profile {path}: section 'model' is malformed (name, family, kind, "
-                           "pipeline_class, denoiser, default_workload)") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ProfileError(f"profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: budget.margin: {exc}") from None

@@ -179,7 +179,11 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         result["per_step_s"] = result["latency_s"] / workload.steps
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)
-        result["error"] = f"{phase}: {type(exc).__name__}: {exc}".splitlines()[0][:500]
+        from .errors import AutotuneError
+
+        # autotune's own errors are written for the user already; a library's needs its type
+        said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
+        result["error"] = f"{phase}: {said}".splitlines()[0][:500]
         result["traceback"] = traceback_for_result(traceback.format_exc())
         traceback.print_exc()  # whole, into the trial's log
     finally:

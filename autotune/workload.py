@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
+REQUIRED = ("height", "width", "steps")
+# What torch.Generator.manual_seed takes: a 64-bit int, signed or not (a negative one as unsigned).
+SEEDS = range(-(2**63), 2**64)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is an int to Python
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,36 @@ class Workload:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check(self, pixel_multiple: int = 8) -> None:
+        """ValueError, naming the field first ("height must be ..."), when no pipeline call could
+        run this workload: caught here, not as a TypeError or ZeroDivisionError inside a trial.
+        `pixel_multiple`: what the model family's height and width must be multiples of."""
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if not _whole(value) or value <= 0 or value % pixel_multiple:
+                raise ValueError(f"{name} must be a positive multiple of {pixel_multiple} pixels, not {value!r:.40}")
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if not _whole(value) or value < 1:
+                raise ValueError(f"{name} must be a whole number, 1 or more, not {value!r:.40}")
+        if not _whole(self.seed) or self.seed not in SEEDS:
+            raise ValueError(f"seed must be a whole number from -2**63 to 2**64 - 1, not {self.seed!r:.40}")
+        if not isinstance(self.prompt, str):
+            raise ValueError(f"prompt must be text, not {self.prompt!r:.40}")
+        scale = self.guidance_scale
+        number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        if scale is not None and not (number and math.isfinite(scale)):
+            raise ValueError(f"guidance_scale must be a number or null, not {scale!r:.40}")
+
     @classmethod
     def from_dict(cls, data: dict) -> "Workload":
+        """The workload a mapping describes (unknown keys ignored); ValueError, in words that follow
+        "workload", when it is no mapping or lacks a required field. Values are checked by `check`."""
+        if not isinstance(data, dict):
+            raise ValueError(f"must be a mapping of {', '.join(REQUIRED)} (batch_size, prompt, seed and "
+                             f"guidance_scale optional), not {data!r:.40}")
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"lacks {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})

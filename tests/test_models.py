@@ -16,6 +16,7 @@ from autotune.models import (
     ModelSpec,
     _empty_model,
     build_pipeline,
+    check_weights_here,
     model_names,
     resolve_model,
 )
@@ -182,6 +183,27 @@ def test_local_directory_errors(tmp_path):
     assert "single-file" in error_of(lambda: resolve_model(str(tmp_path / "model.safetensors")))
 
 
+@pytest.mark.parametrize("source, message", [
+    ("/nonexistent/model", "no such model folder /nonexistent/model"),
+    ("./gone", "no such model folder ./gone"),
+    ("../gone/model", "no such model folder ../gone/model"),
+    ("models/sdxl/base", "no such model folder models/sdxl/base"),  # a path, not an org/name hub id
+    ("not a repo!", "'not a repo!' is neither a model folder nor a hub id (org/name)"),
+])
+def test_a_source_that_is_no_folder_here_is_one_line(source, message, offline):
+    # a path was handed to the hub as a repo id: "HFValidationError: Repo id must be in the form..."
+    spec = ModelSpec.from_dict({**ALIASES["sd15"].to_dict(), "source": source})
+    for attempt in (lambda: build_pipeline(spec), lambda: check_weights_here(spec)):
+        assert error_of(attempt) == message
+
+
+def test_a_source_that_is_a_file_is_no_model_folder(tmp_path, offline):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    spec = ModelSpec.from_dict({**ALIASES["sd15"].to_dict(), "source": str(tmp_path / "model.safetensors")})
+    message = f"no such model folder {tmp_path / 'model.safetensors'} (a file is there)"
+    assert error_of(lambda: build_pipeline(spec)) == message
+
+
 @pytest.mark.parametrize("family", ["sdxl", "sd3"])
 def test_saved_tiny_pipeline_directory_resolves_and_builds(family, tmp_path, monkeypatch, offline):
     original = build_pipeline(resolve_model(f"tiny-{family}"))
@@ -209,6 +231,20 @@ def test_spec_round_trips_through_json_and_yaml():
     assert "malformed model spec" in error_of(lambda: ModelSpec.from_dict({"name": "sdxl"}))
     broken = {**ALIASES["sdxl"].to_dict(), "family": "kandinsky"}
     assert "unknown model family 'kandinsky'" in error_of(lambda: ModelSpec.from_dict(broken))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"default_workload": "x"}, "default_workload must be a mapping of height, width, steps"),
+    ({"default_workload": {"height": 64}}, "default_workload lacks width, steps"),
+    ({"family": ["sdxl"]}, "family must be text, not ['sdxl']"),
+    ({"pipeline_class": "FluxPipeline"}, "family sdxl is a StableDiffusionXLPipeline with a unet, not a FluxPipeline"),
+    ({"source": None}, "a pretrained model needs a source"),
+])
+def test_a_malformed_spec_says_what_is_wrong_in_a_users_words(change, message):
+    # these were "AttributeError: 'str' object has no attribute 'items'" and the like
+    text = error_of(lambda: ModelSpec.from_dict({**ALIASES["sdxl"].to_dict(), **change}))
+    assert text.startswith("malformed model spec: ") and message in text and "Error" not in text
+    assert error_of(lambda: ModelSpec.from_dict("sdxl")).startswith("malformed model spec: expected a mapping")
 
 
 # --- full-size architectures with random weights --------------------------------------------------

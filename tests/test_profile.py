@@ -100,6 +100,8 @@ def test_choose_keeps_the_safety_margin_free(tmp_path):
         (lambda p: p.write_text("just: a mapping\n"), "not an autotune profile"),
         (lambda p: p.write_text(p.read_text().replace("autotune_profile: 1", "autotune_profile: 2")), "format version 2"),
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),
+        (lambda p: p.write_text("autotune_profile: !!python/object/apply:os.getpid []\n"),
+         "uses the tag !!python/object/apply:os.getpid at line 1, which safe loading refuses"),
     ],
 )
 def test_bad_profiles_give_one_clear_line(written, mangle, message):
@@ -242,6 +244,27 @@ def _set(section, key=None, value=None):
         (_set("autotune_profile", value=True), "format version True"),
         (_set("autotune_profile", value=1.0), "format version 1.0"),
         (_set("autotune_profile", value="1"), "format version '1'"),
+        # what `autotune verify` replays with: a wrong type was a TypeError inside worker.trial_request
+        (_set("measurement", value={"timed_calls_max": "x"}),
+         "measurement.timed_calls_max must be a whole number, 1 or more, or null, not 'x'"),
+        (_set("measurement", value={"threads": "many"}), "measurement.threads must be a whole number"),
+        (_set("measurement", value={"timed_calls_min": 0}), "measurement.timed_calls_min must be a whole number"),
+        (_set("measurement", value={"spread_limit": "5%"}), "measurement.spread_limit must be a positive fraction"),
+        # the workload: a replay failed late, in string formatting, a division, a reshape
+        (_set("workload", "height", "abc"), "workload.height must be a positive multiple of 8 pixels, not 'abc'"),
+        (_set("workload", "width", 100), "workload.width must be a positive multiple of 8 pixels, not 100"),
+        (_set("workload", "steps", 0), "workload.steps must be a whole number, 1 or more, not 0"),
+        (_set("workload", "batch_size", 0), "workload.batch_size must be a whole number, 1 or more, not 0"),
+        (_set("workload", "seed", 2**64), "workload.seed must be a whole number from -2**63 to 2**64 - 1"),
+        (_set("workload", "seed", True), "workload.seed must be a whole number"),
+        (_set("workload", "prompt", ["a", "b"]), "workload.prompt must be text"),
+        # in user terms, not a Python exception's
+        (_set("workload", value={}), "workload lacks height, width, steps"),
+        (_set("model", "default_workload", "x"), "section 'model' is malformed: default_workload must be a mapping"),
+        (_set("model", "family", "dalle"),
+         "section 'model' is malformed: unknown model family 'dalle': use one of sdxl, sd15, sd3, flux"),
+        (_set("model", "kind", "pretrained"), "a pretrained model needs a source"),
+        (_set("budget", "margin", "lots"), "budget.margin: 'lots' is not a margin"),
     ],
 )
 def test_wrong_types_give_one_clear_line(tmp_path, mangle, message):
@@ -252,6 +275,63 @@ def test_wrong_types_give_one_clear_line(tmp_path, mangle, message):
     with pytest.raises(ProfileError) as exc:
         load_profile(path)
     assert message in str(exc.value) and str(path) in str(exc.value) and "\n" not in str(exc.value)
+    assert "Error" not in str(exc.value) and "__" not in str(exc.value)  # no Python internals
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1, -(2**63) - 1, 2**64])
+def test_a_workload_seed_is_one_manual_seed_takes(tmp_path, seed):
+    import torch
+
+    doc = document()
+    doc["workload"]["seed"] = seed
+    path = profile_io.save(doc, tmp_path / "p.yaml")
+    try:
+        torch.Generator("cpu").manual_seed(seed)
+    except (ValueError, RuntimeError):
+        with pytest.raises(ProfileError, match="workload.seed must be"):
+            load_profile(path)
+    else:
+        assert load_profile(path).workload.seed == seed
+
+
+def test_a_workload_takes_its_familys_pixel_multiple(tmp_path):
+    # SD3 and Flux take multiples of 16, as the CLI's --height and --width checks say
+    doc = document()
+    doc["model"] = resolve_model("tiny-sd3").to_dict()
+    doc["workload"]["height"] = 264
+    path = profile_io.save(doc, tmp_path / "p.yaml")
+    with pytest.raises(ProfileError, match="workload.height must be a positive multiple of 16 pixels, not 264"):
+        load_profile(path)
+
+
+def test_a_fingerprint_field_unknown_here_is_said_so(tmp_path, monkeypatch):
+    # a profile from a GPU read where it is absent compared its name with None: "here None"
+    doc = document()
+    doc["software"]["xformers"] = "0.0.30"
+    path = profile_io.save(doc, tmp_path / "p.yaml")
+    here = {k: v for k, v in doc["machine"].items() if k != "name"}
+    monkeypatch.setattr(fingerprint, "machine", lambda device: here)
+    monkeypatch.setattr(fingerprint, "software", lambda: {**doc["software"], "xformers": None})
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        load_profile(path)
+    lines = sorted(str(w.message) for w in caught if w.category is ProfileMismatchWarning)
+    assert lines == [f"profile {path}: name: profiled on {doc['machine']['name']!r}, unknown here",
+                     f"profile {path}: xformers: profiled on '0.0.30', not installed here"]
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("measurement", "timed_calls_max", "x", "measurement.timed_calls_max must be a whole number"),
+    ("workload", "steps", 0, "workload.steps must be a whole number, 1 or more, not 0"),
+])
+def test_verify_of_a_bad_profile_is_one_line(tmp_path, section, key, value, message):
+    # verify replayed these, and died with a traceback or a division by zero in the replay
+    doc = document()
+    doc.setdefault(section, {})[key] = value
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    proc = run_cli("verify", "bad.yaml", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"autotune: error: profile bad.yaml: {message}")
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_profile_that_is_not_utf8_is_one_line(written):
