@@ -47,6 +47,8 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     """The data of the YAML file `path` (a `what`: "profile", "search space"), read with the safe
     loader; each way the file can fail is `error` with one line that names it (invalid YAML
     followed by `hint`)."""
+    import re
+
     import yaml
 
     try:
@@ -62,4 +64,9 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
+        tag = re.search(r"constructor for the tag '([^']*)'", str(getattr(exc, "problem", "")))
+        if tag:  # valid YAML, with a tag that makes a Python object (!!python/...) or a custom type
+            name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+            raise error(f"{what} {path}: it uses the tag {name}{at}, which safe loading refuses "
+                        "(it builds no Python objects or custom types): write plain values") from None
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None

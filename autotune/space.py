@@ -260,7 +260,14 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(unknown))}")
     knobs, forbid, seeds = {}, [], []
     if data.get("extends"):
-        knobs, forbid, seeds = _read_layers(path.parent / str(data["extends"]), seen + (path.resolve(),))
+        parent = data["extends"]
+        if not isinstance(parent, str):
+            raise SpaceError(f"search space {path}: 'extends' takes one file name (a space extends one "
+                             f"other, which may extend another), not {parent!r:.60}")
+        parent = path.parent / parent
+        if not parent.exists():  # named with the file that extends it: the user may not know of it
+            raise SpaceError(f"search space {path}: it extends {parent}: no such file")
+        knobs, forbid, seeds = _read_layers(parent, seen + (path.resolve(),))
     # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
     own = {} if data.get("knobs") is None else data["knobs"]
     if not isinstance(own, dict):
@@ -283,15 +290,16 @@ def _check_value(name: str, value, path) -> None:
     if name not in CATALOGUE:
         known = ", ".join(CATALOGUE)
         raise SpaceError(f"search space {path}: unknown knob '{name}' (known: {known})")
-    try:
-        CATALOGUE[name].check(value)
-    except ValueError as exc:
-        raise SpaceError(f"search space {path}: {exc}") from None
+    knob = CATALOGUE[name]
+    # not Knob.check's `in`, which takes 1 for True and 0 for False: its choices, type and all
+    if not any(type(value) is type(c) and value == c for c in knob.choices):
+        known = ", ".join(str(c) for c in knob.choices)
+        raise SpaceError(f"search space {path}: knob '{name}' has no choice {value!r} (choices: {known})")
 
 
 def _dimensions(knobs: dict, path) -> list[Dimension]:
-    dims = []
-    for name in CATALOGUE:  # catalogue order, so `when` can only look at knobs decided earlier
+    dims, order = [], list(CATALOGUE)
+    for name in order:  # catalogue order, so `when` can only look at knobs decided earlier
         if name not in knobs:
             continue
         spec, when = knobs[name], None
@@ -317,6 +325,13 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
             for other, value in when.items():
                 for v in value if isinstance(value, list) else [value]:
                     _check_value(other, v, path)
+                # configs are filled in catalogue order: a later knob is still at its baseline
+                # value when this one's condition is read, and the knob would silently never move
+                if order.index(other) >= order.index(name):
+                    on = "itself" if other == name else f"'{other}', which is decided after it"
+                    earlier = ", ".join(order[: order.index(name)]) or "none, it is decided first"
+                    raise SpaceError(f"search space {path}: knob '{name}' has a 'when' on {on} (knobs are "
+                                     f"decided in catalogue order; those before '{name}': {earlier})")
         choices = spec if isinstance(spec, list) else [spec]
         for value in choices:
             _check_value(name, value, path)

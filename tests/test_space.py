@@ -138,6 +138,18 @@ def test_known_conflicts_are_forbidden():
         ("extends: space.yaml\n", "loops back"),
         ("extends: missing.yaml\n", "missing.yaml: no such file"),
         ("knobs:\n  quantize: {choices: [none], when: {dtype: float64}}\n", "no choice 'float64'"),
+        # a condition on a knob decided later read its baseline value: the knob was never searched
+        ("knobs:\n  dtype: {choices: [bfloat16], when: {channels_last: true}}\n  channels_last: [false, true]\n",
+         "knob 'dtype' has a 'when' on 'channels_last', which is decided after it"),
+        ("knobs:\n  dtype: {choices: [bfloat16], when: {dtype: float32}}\n", "knob 'dtype' has a 'when' on itself"),
+        ("extends: [a.yaml, b.yaml]\n", "'extends' takes one file name"),
+        ("extends: missing.yaml\n", "space.yaml: it extends"),  # the file that names it, not only the missing one
+        # a boolean knob's choices are booleans: 1 is not True
+        ("knobs:\n  channels_last: [1]\n", "knob 'channels_last' has no choice 1 (choices: False, True)"),
+        ("knobs:\n  dtype: [float32, bfloat16]\nforbid:\n  - {channels_last: 0}\n",
+         "knob 'channels_last' has no choice 0"),
+        ("knobs:\n  dtype: !!python/object/apply:os.getpid []\n",
+         "uses the tag !!python/object/apply:os.getpid at line 2, which safe loading refuses"),
     ],
 )
 def test_bad_space_files_give_one_clear_line(tmp_path, text, message):
