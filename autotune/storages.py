@@ -97,6 +97,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     path = storage_file(url)
     if existing and path is not None and not path.is_file():
         raise AutotuneError(f"storage {url}: no such file {path}")
+    if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
+        raise AutotuneError(f"storage {url}: no such folder {path.parent}")
     if url.startswith("journal:") and path is not None:
         _check_journal(url, path)
     try:
@@ -135,7 +137,7 @@ def _check_journal(url: str, path: Path) -> None:
 
 def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
     import optuna
-    from sqlalchemy.exc import IntegrityError
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
 
     for attempt in range(attempts):
         try:
@@ -153,10 +155,12 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
                 if storage.engine.name == "sqlite" and storage.engine.url.database not in (None, "", ":memory:"):
                     _serialize_sqlite_transactions(storage.engine)  # an in-memory one has one user
                 return storage
-        except IntegrityError:
+        except (IntegrityError, ProgrammingError) as exc:
             # Workers starting together on an empty PostgreSQL database race to create Optuna's
-            # tables (duplicate key in pg_type); the loser finds them made a moment later.
-            if attempt == attempts - 1:
+            # tables and types: the loser gets "duplicate key ... pg_type" or 'type
+            # "studydirection" already exists', and finds them made a moment later.
+            racing = isinstance(exc, IntegrityError) or "already exists" in str(exc)
+            if not racing or attempt == attempts - 1:
                 raise
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")

@@ -179,3 +179,30 @@ def test_an_sqlite_study_hands_each_queued_trial_to_one_worker(tmp_path):
     every = [trial_id for one in taken for trial_id in one]
     assert len(every) == 40  # all were taken ...
     assert len(set(every)) == len(every)  # ... each by one worker
+
+
+OPEN_AT = """
+import sys, time
+from autotune.storages import open_storage
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # start together
+open_storage(sys.argv[1])
+"""
+
+
+def test_workers_opening_an_empty_postgresql_database_together_all_get_it(postgres):
+    # Each makes Optuna's tables and types; the losers of that race ('type "studydirection"
+    # already exists', a duplicate key in pg_type) must find them made, not fail the worker.
+    # The race is lost in about one round in four here: three rounds, each on a new database.
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(postgres, isolation_level="AUTOCOMMIT")
+    for round_ in range(3):
+        with admin.connect() as connection:
+            connection.execute(text(f"CREATE DATABASE empty_at_start_{round_}"))
+        url = postgres.replace("/postgres?", f"/empty_at_start_{round_}?")
+        at = time.time() + 4
+        workers = [subprocess.Popen([sys.executable, "-c", OPEN_AT, url, str(at)], stderr=subprocess.PIPE, text=True)
+                   for _ in range(8)]
+        failed = [err for err in (w.communicate(timeout=120)[1] for w in workers) if err.strip()]
+        assert not failed, failed[0]
+    admin.dispose()
