@@ -53,6 +53,8 @@ def one_line_error(proc):
         (["--threads", "9999", "--trials", "1"], "--threads 9999: this machine has"),
         (["--study-name", "../../elsewhere", "--trials", "1"], "one folder name"),  # out of --workdir
         (["--storage", "sqlite://", "--trials", "1"], "keeps nothing after the run"),
+        (["--storage", "sqlite:///nosuchdir/s.db", "--trials", "1"], "no such folder nosuchdir"),
+        (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
         (["-o", "autotune-studies/studies.db", "--trials", "1"], "would destroy the measured trials"),
     ],
