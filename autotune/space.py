@@ -290,11 +290,10 @@ def _check_value(name: str, value, path) -> None:
     if name not in CATALOGUE:
         known = ", ".join(CATALOGUE)
         raise SpaceError(f"search space {path}: unknown knob '{name}' (known: {known})")
-    knob = CATALOGUE[name]
-    # not Knob.check's `in`, which takes 1 for True and 0 for False: its choices, type and all
-    if not any(type(value) is type(c) and value == c for c in knob.choices):
-        known = ", ".join(str(c) for c in knob.choices)
-        raise SpaceError(f"search space {path}: knob '{name}' has no choice {value!r} (choices: {known})")
+    try:
+        CATALOGUE[name].check(value)
+    except ValueError as exc:
+        raise SpaceError(f"search space {path}: {exc}") from None
 
 
 def _dimensions(knobs: dict, path) -> list[Dimension]:

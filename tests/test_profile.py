@@ -237,6 +237,7 @@ def _set(section, key=None, value=None):
         (_set("best", "peak_memory_bytes", None), "best.peak_memory_bytes must be a number"),
         (_set("best", "p90_s", "slow"), "best.p90_s must be a number or null"),
         (_set("best", "config", ["dtype"]), "best.config must be a mapping"),
+        (_set("best", "config", {"channels_last": 1}), "best.config: knob 'channels_last' has no choice 1"),
         (_set("best", value=[1]), "best must be a mapping"),
         (_set("pareto", value=[]), "'pareto' must be a non-empty list"),
         (_set("pareto", value={"a": 1}), "'pareto' must be a non-empty list"),

@@ -80,7 +80,8 @@ class Knob:
         return value in rank and than in rank and rank[value] >= rank[than]
 
     def check(self, value: Any) -> None:
-        if value not in self.choices:
+        # its choices, type and all: `in` alone takes 1 for True and 0 for False (YAML's 1 is an int)
+        if not any(type(value) is type(choice) and value == choice for choice in self.choices):
             known = ", ".join(str(c) for c in self.choices)
             raise ValueError(f"knob '{self.name}' has no choice {value!r} (choices: {known})")
 
