@@ -192,7 +192,9 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
         known = [s.study_name for s in storage.get_all_studies()]
         raise ReportError(f"storage {url}: no study named '{name}' (it holds: "
                           f"{', '.join(known) or 'none'})") from None
-    request = study.user_attrs.get("request", {})
+    request = study.user_attrs.get("request")
+    if not isinstance(request, dict):
+        raise ReportError(f"storage {url}: study '{name}' was not made by autotune (it records no request)")
     outcome = summarize(study)
     measured = {r.number for r in outcome.records}
     trials = study.get_trials(deepcopy=False)
@@ -208,7 +210,9 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
-    if data.best is None:
+    if not data.points:
+        data.notes.append(f"{name}: no trial completed a measurement")
+    elif data.best is None:
         data.notes.append(f"{name}: no measured configuration fits the budget")
     return data
 
@@ -284,9 +288,10 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         if url and _is_url(url):
             out.append(load_study(url, name))
         elif _is_url(entry):
-            names = [s.study_name for s in _open_storage(entry).get_all_studies()]
+            # autotune's studies only: a storage may hold other Optuna studies beside them
+            names = [s.study_name for s in _open_storage(entry).get_all_studies() if "request" in s.user_attrs]
             if not names:
-                raise ReportError(f"storage {entry}: it holds no study")
+                raise ReportError(f"storage {entry}: it holds no study made by autotune")
             out.extend(load_study(entry, n) for n in names)
         elif entry.endswith((".yaml", ".yml")) or Path(entry).is_file():
             out.append(load_profile_source(entry))

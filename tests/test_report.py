@@ -319,3 +319,19 @@ def test_a_report_folder_that_cannot_be_written_is_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "autotune: error: report /proc/autotune-report: cannot create the folder (No such file or directory)"]
+
+
+def test_studies_autotune_did_not_make_are_left_out_or_refused(tmp_path):
+    # a storage may hold other Optuna studies: a whole storage reads autotune's alone, and one
+    # named explicitly is refused in a line (before, they came out as '?' columns)
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    optuna.create_study(study_name="someone-elses", storage=url)
+    assert [s.name for s in report.load(url)] == ["synthetic"]
+    with pytest.raises(report.ReportError, match="study 'someone-elses' was not made by autotune"):
+        report.load(f"someone-elses@{url}")
+    bare = f"sqlite:///{tmp_path / 'plain.db'}"
+    optuna.create_study(study_name="plain", storage=bare)
+    with pytest.raises(report.ReportError, match="holds no study made by autotune"):
+        report.load(bare)
