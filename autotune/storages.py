@@ -33,19 +33,29 @@ def default_storage(workdir: Path | None = None) -> str:
     return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")
 
 
-def keeps_nothing(url: str) -> bool:
-    """Whether the storage lives in memory only: autotune's "memory", SQLite's `sqlite://` and
-    `:memory:` (a study there is gone when the run ends)."""
-    if url == "memory":
-        return True
+_IN_MEMORY = (None, "", ":memory:")  # SQLite databases that live in memory only
+
+
+def _sqlite(url: str):
+    """SQLAlchemy's reading of a SQLite URL, or None for any other storage (a journal file, a
+    database server, or no URL at all: open_storage says so)."""
+    if url.startswith("journal:"):
+        return None
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
         parsed = make_url(url)
-    except ArgumentError:  # not a URL (journal:PATH, or nonsense open_storage reports)
-        return False
-    return parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:")
+    except ArgumentError:
+        return None
+    return parsed if parsed.get_backend_name() == "sqlite" else None
+
+
+def keeps_nothing(url: str) -> bool:
+    """Whether the storage lives in memory only: autotune's "memory", SQLite's `sqlite://` and
+    `:memory:` (a study there is gone when the run ends)."""
+    sqlite = _sqlite(url)
+    return url == "memory" or (sqlite is not None and sqlite.database in _IN_MEMORY)
 
 
 def storage_file(url: str) -> Path | None:
@@ -54,16 +64,8 @@ def storage_file(url: str) -> Path | None:
     and escapes (`%3F`) mean what they mean when the storage opens."""
     if url.startswith("journal:"):
         return Path(url[len("journal:"):])
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:  # not a URL: open_storage says so
-        return None
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        return Path(parsed.database)
-    return None
+    sqlite = _sqlite(url)
+    return Path(sqlite.database) if sqlite is not None and sqlite.database not in _IN_MEMORY else None
 
 
 def with_storage_file(url: str, path: Path) -> str:
@@ -99,7 +101,7 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         raise AutotuneError(f"storage {url}: no such file {path}")
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
         raise AutotuneError(f"storage {url}: no such folder {path.parent}")
-    if url.startswith("journal:") and path is not None:
+    if url.startswith("journal:"):
         _check_journal(url, path)
     try:
         if url.startswith("journal:"):
@@ -152,7 +154,7 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
                     # SQLite: a worker waits for another's write rather than fail at 5 s
                     engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
                 )
-                if storage.engine.name == "sqlite" and storage.engine.url.database not in (None, "", ":memory:"):
+                if storage.engine.name == "sqlite" and storage.engine.url.database not in _IN_MEMORY:
                     _serialize_sqlite_transactions(storage.engine)  # an in-memory one has one user
                 return storage
         except (IntegrityError, ProgrammingError) as exc:
