@@ -120,10 +120,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def differences(recorded: dict, current: dict, keys) -> list[str]:
-    """Human lines for each key whose value differs between two fingerprints."""
-    return [
-        f"{key}: profiled on {recorded.get(key)!r}, here {current.get(key)!r}"
-        for key in keys
-        if recorded.get(key) != current.get(key)
-    ]
+def differences(recorded: dict, current: dict, keys, absent: str = "unknown") -> list[str]:
+    """Human lines for each key whose value differs between two fingerprints; a value one side
+    lacks (a GPU's name on a machine without that GPU, a library not installed) is `absent`
+    there, not None."""
+    lines = []
+    for key in keys:
+        was, now = recorded.get(key), current.get(key)
+        if was != now:
+            was = f"profiled on {was!r}" if was is not None else f"{absent} when profiled"
+            now = f"here {now!r}" if now is not None else f"{absent} here"
+            lines.append(f"{key}: {was}, {now}")
+    return lines

@@ -251,26 +251,13 @@ class Profile:
     def mismatches(self) -> list[str]:
         machine = self.data["machine"]
         here = fingerprint.machine(machine["device"]) if _device_here(machine["device"]) else {"device": "cpu"}
-        return _differences(machine, here, MACHINE_KEYS, "unknown") + _differences(
-            self.data["software"], fingerprint.software(), SOFTWARE_KEYS, "not installed"
+        return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
+            self.data["software"], fingerprint.software(), SOFTWARE_KEYS, absent="not installed"
         )
 
 
 def _device_here(device: str) -> bool:
     return not device.startswith("cuda") or fingerprint.cuda_available()
-
-
-def _differences(recorded: dict, current: dict, keys, absent: str) -> list[str]:
-    """A line for each key whose value differs; a value one side lacks (a GPU's name on a machine
-    without that GPU, a library not installed) is `absent` there, not None."""
-    lines = []
-    for key in keys:
-        was, now = recorded.get(key), current.get(key)
-        if was != now:
-            was = f"profiled on {was!r}" if was is not None else f"{absent} when profiled"
-            now = f"here {now!r}" if now is not None else f"{absent} here"
-            lines.append(f"{key}: {was}, {now}")
-    return lines
 
 
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
