@@ -179,7 +179,7 @@ def resolve_model(name: str, random_weights: bool = False) -> ModelSpec:
             f"'{key}' is a file: single-file checkpoints are not supported; "
             "give a pipeline directory (pipe.save_pretrained(dir)) or a hub id"
         )
-    if key.startswith(("/", ".", "~")):
+    if _is_path(key):
         raise ModelError(f"no such directory '{key}': give a pipeline directory written by save_pretrained")
     if _HUB_ID.fullmatch(key):
         return _from_hub_cache(key)
@@ -255,7 +255,7 @@ def check_weights_here(spec: ModelSpec) -> None:
 
 def _is_path(source: str) -> bool:
     """Whether a source names a folder rather than a hub id ("org/name", which holds a / too)."""
-    return source.startswith(("/", "./", "../", "~")) or (os.sep in source and not _HUB_ID.fullmatch(source))
+    return source.startswith(("/", ".", "~")) or (os.sep in source and not _HUB_ID.fullmatch(source))
 
 
 def _cached_index(source: str) -> str:
