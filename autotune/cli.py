@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .storages import DEFAULT_WORKDIR, default_storage
+from .storages import DEFAULT_WORKDIR, default_storage, keeps_nothing, open_storage, storage_file
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
@@ -473,16 +473,12 @@ def _check_study_name(name: str) -> None:
 
 def _check_storage_keeps(storage: str) -> None:
     """An in-memory storage keeps nothing: the trials would be lost when the run ends."""
-    from .storages import keeps_nothing
-
     if keeps_nothing(storage):
         raise UsageError(f"--storage {storage} keeps nothing after the run: give a file "
                          "(sqlite:///PATH, journal:PATH) or a database server")
 
 
 def _check_not_the_storage(output: Path, storage: str) -> None:
-    from .storages import storage_file
-
     kept = storage_file(storage)
     if kept is not None and output.resolve() == kept.resolve():
         raise UsageError(f"--output {output} is the study's storage {storage}: writing the profile "
@@ -508,16 +504,15 @@ def _write_profile(out, request, outcome, output: Path) -> int:
 
     from .worker import OUT_OF_MEMORY
 
-    if outcome.best is None and not any(r.peak_memory_bytes or r.latency_s or r.status == OUT_OF_MEMORY
-                                        for r in outcome.records):
-        # nothing was measured: not a budget too small (exit 3), a run that learnt nothing
-        print(f"autotune: error: no trial completed a measurement ({outcome.stop_reason}); no profile "
-              "written", file=sys.stderr)
-        return EXIT_ERROR
     if outcome.best is None:
         smallest = outcome.smallest_peak_bytes
+        if not smallest and not any(r.latency_s or r.status == OUT_OF_MEMORY for r in outcome.records):
+            # nothing was measured: not a budget too small (exit 3), a run that learnt nothing
+            print(f"autotune: error: no trial completed a measurement ({outcome.stop_reason}); no "
+                  "profile written", file=sys.stderr)
+            return EXIT_ERROR
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
-            "no trial completed a measurement"
+            "no trial recorded its peak memory"
         if smallest and request.margin_bytes:
             # a fit is peak plus margin within the budget: a peak under the budget may still miss
             shown = format_size(request.margin_bytes)
@@ -545,7 +540,6 @@ def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
     """The configs of earlier fronts: from profile files, or from studies (NAME@URL or NAME)."""
     from .errors import AutotuneError
     from .profile import load_profile
-    from .storages import open_storage
     from .study import summarize
     import optuna
 
@@ -597,7 +591,6 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     from . import runner, worker
     from .fingerprint import visible_gpus
-    from .storages import open_storage
     from .study import prepare, summarize
 
     # --gpus numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set
@@ -672,7 +665,6 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 def _export(argv: list[str]) -> int:
     """Write the profile of a stored study, from any machine that reaches its storage."""
     from . import console
-    from .storages import open_storage
     from .study import request_of, summarize
     from .errors import AutotuneError
     from .sizes import short_size
@@ -703,7 +695,8 @@ def _export(argv: list[str]) -> int:
     out = console.terminal()
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")
-    _check_not_the_storage(output, storage)
+    if not args.output:  # a named one was checked before reading the study
+        _check_not_the_storage(output, storage)
     return _write_profile(out, request, outcome, output)
 
 

@@ -478,20 +478,19 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
     from .workload import Workload
 
     attr = study.user_attrs.get("request")
-    needed = ("model", "workload", "budget_bytes", "device", "family", "margin", "repeats", "max_calls",
-              "spread_limit", "warmup", "threads", "min_psnr_db")
-    if not isinstance(attr, dict) or any(k not in attr for k in needed):
+    try:  # each key _request_attr writes, read where it is needed: one missing is another version's
+        return TuneRequest(
+            spec=ModelSpec.from_dict(attr["model"]), workload=Workload.from_dict(attr["workload"]),
+            budget_bytes=attr["budget_bytes"], space=SearchSpace([]),
+            target=Target(device=attr["device"], family=attr["family"]), storage=storage,
+            study_name=study.study_name, trials=0, workdir=Path("."), margin=attr["margin"],
+            repeats=attr["repeats"], max_calls=attr["max_calls"], spread_limit=attr["spread_limit"],
+            warmup=attr["warmup"], threads=attr["threads"], min_psnr_db=attr["min_psnr_db"],
+            machine=study.user_attrs.get("machine"),
+        )
+    except (KeyError, TypeError):  # TypeError: no request at all (None)
         raise AutotuneError(f"study {study.study_name}: it was not written by this version of autotune "
-                            "(no request recorded)")
-    return TuneRequest(
-        spec=ModelSpec.from_dict(attr["model"]), workload=Workload.from_dict(attr["workload"]),
-        budget_bytes=attr["budget_bytes"], space=SearchSpace([]),
-        target=Target(device=attr["device"], family=attr["family"]), storage=storage,
-        study_name=study.study_name, trials=0, workdir=Path("."), margin=attr["margin"],
-        repeats=attr["repeats"], max_calls=attr["max_calls"], spread_limit=attr["spread_limit"],
-        warmup=attr["warmup"], threads=attr["threads"], min_psnr_db=attr["min_psnr_db"],
-        machine=study.user_attrs.get("machine"),
-    )
+                            "(no request recorded)") from None
 
 
 def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:

@@ -17,6 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
+from .errors import AutotuneError
+
 _T0 = time.perf_counter()
 
 # Trial statuses. "ok" is the only one with a latency; the rest are results too, not crashes of
@@ -179,8 +181,6 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         result["per_step_s"] = result["latency_s"] / workload.steps
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)
-        from .errors import AutotuneError
-
         # autotune's own errors are written for the user already; a library's needs its type
         said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
         result["error"] = f"{phase}: {said}".splitlines()[0][:500]

@@ -48,8 +48,8 @@ def one_line_error(proc):
         (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
         (["export", "--study-name", "missing"], "studies.db: no such file"),
         (["export", "--study-name", "x", "--storage", "sqlite:///a.db", "--workdir", "w"], "not allowed with"),
-        (["--vram", "8"], "'8' has no unit: did you mean 8GB?"),
-        (["--seed", str(2**70), "--trials", "1"], "--seed must be a whole number from -2**63"),  # else 8 bytes, and a search for nothing
+        (["--vram", "8"], "'8' has no unit: did you mean 8GB?"),  # else 8 bytes, and a search for nothing
+        (["--seed", str(2**70), "--trials", "1"], "--seed must be a whole number from -2**63"),
         (["--threads", "9999", "--trials", "1"], "--threads 9999: this machine has"),
         (["--study-name", "../../elsewhere", "--trials", "1"], "one folder name"),  # out of --workdir
         (["--storage", "sqlite://", "--trials", "1"], "keeps nothing after the run"),
