@@ -116,19 +116,17 @@ _GUIDE_FLAGS = {
 _INT8_FLAGS = {"force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}  # with dynamic int8
 
 
-def _inductor_flags_before() -> dict:
-    from torch._inductor import config as inductor
-
-    # flags come and go between torch releases: those this torch has
-    return {name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS} if hasattr(inductor, name)}
-
-
-_INDUCTOR_BEFORE = _inductor_flags_before()
+_INDUCTOR_BEFORE: dict = {}  # the process's own values, read when autotune first sets them
 
 
 def _apply_inductor_flags(pipe, value, target, config):
+    if not value and not _INDUCTOR_BEFORE:
+        return  # none set by autotune in this process: nothing to put back (inductor not imported)
     from torch._inductor import config as inductor
 
+    if not _INDUCTOR_BEFORE:  # flags come and go between torch releases: those this torch has
+        _INDUCTOR_BEFORE.update({name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS}
+                                 if hasattr(inductor, name)})
     flags = dict(_INDUCTOR_BEFORE)
     if value:
         flags.update(_GUIDE_FLAGS)
