@@ -343,6 +343,19 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
     for name in knobs:
         if name not in CATALOGUE:
             _check_value(name, None, path)
+    # A condition no config of the space can meet (a value the other knob never takes here, or a
+    # knob the space leaves at its baseline) would leave its knob silently never searched.
+    tried = {d.name: d.choices for d in dims}
+    for dim in dims:
+        for other, value in (dim.when or {}).items():
+            wanted = value if isinstance(value, list) else [value]
+            takes = tried.get(other, (CATALOGUE[other].default,))
+            if not any(w in takes for w in wanted):
+                raise SpaceError(
+                    f"search space {path}: knob '{dim.name}' is searched only when '{other}' is "
+                    f"{' or '.join(map(str, wanted))}, which this space never tries ('{other}': "
+                    f"{', '.join(map(str, takes))}); add it to '{other}' or drop the condition"
+                )
     return dims
 
 

@@ -142,6 +142,11 @@ def test_known_conflicts_are_forbidden():
         ("knobs:\n  dtype: {choices: [bfloat16], when: {channels_last: true}}\n  channels_last: [false, true]\n",
          "knob 'dtype' has a 'when' on 'channels_last', which is decided after it"),
         ("knobs:\n  dtype: {choices: [bfloat16], when: {dtype: float32}}\n", "knob 'dtype' has a 'when' on itself"),
+        # a condition the space can never meet would leave its knob silently never searched
+        ("knobs:\n  quantize: {choices: [int8wo], when: {dtype: bfloat16}}\n",
+         "knob 'quantize' is searched only when 'dtype' is bfloat16, which this space never tries ('dtype': float32)"),
+        ("knobs:\n  dtype: [float32, float16]\n  quantize: {choices: [int8wo], when: {dtype: [bfloat16]}}\n",
+         "which this space never tries ('dtype': float32, float16); add it to 'dtype' or drop the condition"),
         ("extends: [a.yaml, b.yaml]\n", "'extends' takes one file name"),
         ("extends: missing.yaml\n", "space.yaml: it extends"),  # the file that names it, not only the missing one
         # a boolean knob's choices are booleans: 1 is not True
