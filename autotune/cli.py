@@ -641,9 +641,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
         _print_interrupted(request.storage, request.study_name)
         return EXIT_INTERRUPTED
     study = optuna.load_study(study_name=request.study_name, storage=open_storage(request.storage))
-    outcome = summarize(study, f"{len(args.gpus)} workers done")
-    guard = study.user_attrs.get("quality_guard")
-    outcome.quality_guard = guard if request.min_psnr_db else None
+    outcome = summarize(study, f"{len(args.gpus)} workers done", guard_asked=bool(request.min_psnr_db))
     from . import console
 
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
@@ -689,9 +687,7 @@ def _export(argv: list[str]) -> int:
     except KeyError:
         raise AutotuneError(f"no study {args.study_name!r} in {storage}") from None
     request = request_of(study, storage)
-    outcome = summarize(study, "exported from the stored study")
-    guard = study.user_attrs.get("quality_guard")
-    outcome.quality_guard = guard if request.min_psnr_db else None
+    outcome = summarize(study, "exported from the stored study", guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")

@@ -144,9 +144,11 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         calibrated = guard.get("bfloat16_psnr_db")
         out.print(f"quality guard: PSNR against the float32 reference at least {guard['min_psnr_db']:.1f} dB"
                   + (f" (bfloat16 alone: {calibrated:.1f} dB)" if calibrated is not None else ""))
+    elif outcome.guard_asked:
+        out.print("quality guard: not calibrated (the study stopped before its reference calls)")
     else:
         out.print("quality guard: off")
-    if getattr(outcome, "seed_note", None):
+    if outcome.seed_note:
         out.print(f"seeds: {outcome.seed_note}")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")

@@ -158,6 +158,7 @@ class StudyOutcome:
     front: list[TrialRecord] = field(default_factory=list)  # feasible Pareto front, by memory
     counts: dict = field(default_factory=dict)
     quality_guard: dict | None = None  # reference, threshold and how it was calibrated
+    guard_asked: bool = False  # the request asks for a guard (None above then: not calibrated yet)
     seed_note: str | None = None  # how the seeds were adapted to this machine, if they were
     measured_here: int = 0  # trials this worker measured (the others measured the rest)
     choice_note: str | None = None  # why a simpler config was kept over a faster median, if it was
@@ -278,7 +279,9 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     )
 
 
-def summarize(study: optuna.Study, stop_reason: str = "") -> StudyOutcome:
+def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = False) -> StudyOutcome:
+    """The study's measured trials, baseline, pick and front; `guard_asked`: the request runs with
+    the quality guard, whose calibration the outcome then reports."""
     records = []
     confirmed = study.user_attrs.get(CONFIRMATIONS, {})
     for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -297,6 +300,9 @@ def summarize(study: optuna.Study, stop_reason: str = "") -> StudyOutcome:
         "failed": sum(r.status != worker.OK for r in records),
         "by_status": _count_by(r.status for r in records),
     }
+    outcome.guard_asked = guard_asked
+    outcome.quality_guard = study.user_attrs.get("quality_guard") if guard_asked else None
+    outcome.seed_note = study.user_attrs.get("seed_note")
     return outcome
 
 
@@ -747,9 +753,7 @@ def tune(
 
     if req.confirm_rounds:
         confirm_contenders(req, study, measure, on_confirm, deadline)
-    outcome = summarize(study, reason)
-    outcome.quality_guard = guard if min_psnr_db else None
-    outcome.seed_note = study.user_attrs.get("seed_note")
+    outcome = summarize(study, reason, guard_asked=bool(req.min_psnr_db))
     outcome.measured_here = measured_here
     return outcome
 

@@ -613,3 +613,21 @@ def test_a_folder_with_url_characters_makes_a_storage_url_that_names_it(tmp_path
     url = storages.sqlite_url(path)
     assert storages.storage_file(url) == path
     assert storages.storage_file(storages.with_storage_file("sqlite:///a.db?timeout=30", path)) == path
+
+
+def test_export_of_a_study_stopped_in_its_calibration_says_the_guard_was_not_calibrated(tmp_path):
+    """Interrupted in its float32 reference call, a study holds its request but no guard: export
+    must not report the guard as off (it was asked for), and has nothing to write."""
+    from helpers import run_cli
+
+    def interrupted(req, trial_dir, tick):
+        raise KeyboardInterrupt
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=3, min_psnr_db="auto"),
+                   measure=interrupted)
+    proc = run_cli("export", "--study-name", "s", "--storage", url, "-o", tmp_path / "p.yaml", cwd=tmp_path)
+    assert "quality guard: not calibrated (the study stopped before its reference calls)" in proc.stdout
+    assert "quality guard: off" not in proc.stdout
+    assert proc.returncode == 1 and not (tmp_path / "p.yaml").exists()
