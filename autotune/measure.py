@@ -160,6 +160,9 @@ class MemoryTracker:
         if device.startswith("cuda"):
             import torch
 
+            # Initialized first: given "cuda:N", reset_peak_memory_stats does not initialize CUDA
+            # itself (only a bare "cuda" does, by asking for the current device) and raises.
+            torch.cuda.init()
             torch.cuda.reset_peak_memory_stats(device)
             # Name the same GPU in torch and NVML by its UUID, whatever the device ordering.
             uuid = str(torch.cuda.get_device_properties(device).uuid)
