@@ -13,7 +13,8 @@ SPACE = "knobs:\n  dtype: [float32, bfloat16, float16]\n  channels_last: [false,
 def test_one_worker_per_gpu_measures_and_the_parent_writes_the_profile(cli, tmp_path):
     gpus = ",".join(str(i) for i in range(min(torch.cuda.device_count(), 2)))
     (tmp_path / "space.yaml").write_text(SPACE)
-    proc = cli("--model", "tiny-sd15", "--space", "space.yaml", "--trials", "4", "--gpus", gpus,
+    # --confirm 0: the sharing is under test, not the pick; each confirmation is one more trial
+    proc = cli("--model", "tiny-sd15", "--space", "space.yaml", "--trials", "4", "--gpus", gpus, "--confirm", "0",
                "--vram", "4GB", "--study-name", "gpus", "-o", "gpus.yaml")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     for gpu in gpus.split(","):

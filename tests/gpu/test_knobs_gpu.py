@@ -7,6 +7,7 @@ Run on a GPU machine with `python -m pytest tests/gpu/test_knobs_gpu.py -q -rs`.
 
 import copy
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from autotune.knobs.compile import CUDA_GRAPH_MODES
 from autotune.models import resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
 from autotune.workload import Workload
-from test_catalogue import COMPILE_KNOBS, allowed_pairs, hooks_of, key, split_compile
+from test_catalogue import COMPILE_KNOBS, allowed_pairs, hooks_of, key, split_compile, uncompile
 
 
 def target(family, steps=2):
@@ -50,10 +51,28 @@ def test_tf32_and_cudnn_benchmark():
     assert torch.backends.cudnn.benchmark
 
 
+def compiles(config, family, steps=2, calls=1):
+    """Run the config and return its outputs, asserting dynamo compiled at least one graph
+    (a wrapper alone is set by .compile() before anything runs, and proves nothing)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # nothing cached from an earlier test: what this one runs compiles here
+    counters.clear()
+    pipe = run(config, family, steps)
+    w = resolve_model(f"tiny-{family}").default_workload
+    outs = [pipe(prompt="a cube", height=w.height, width=w.width, num_inference_steps=steps,
+                 generator=torch.Generator("cpu").manual_seed(0), output_type="np").images
+            for _ in range(calls - 1)]
+    assert counters["stats"]["unique_graphs"] > 0, config
+    return pipe, outs
+
+
+@pytest.mark.timeout(500)
 def test_tf32_with_max_autotune_compiles_and_runs():
-    # The per-backend TF32 setter made inductor's autotuning raise (pytorch#196728).
-    pipe = run({"tf32": True, "compile": "max-autotune-no-cudagraphs"}, "sd15", steps=1)
-    assert pipe.unet._compiled_call_impl is not None
+    # The per-backend TF32 setter made inductor's autotuning raise (pytorch#196728). Regional:
+    # the transformer blocks' matmuls are what it autotunes; the whole UNet's convolutions would
+    # add minutes.
+    compiles({"tf32": True, "compile": "max-autotune-no-cudagraphs", "compile_regional": True}, "sd15", steps=1)
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
@@ -167,24 +186,29 @@ def test_flux_caches_on_cuda(cache):
     run({"dtype": "bfloat16", "cache": cache}, "flux", steps=4)
 
 
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_compile_modes_regional_and_vae(mode):
     # CUDA-graph modes compile the whole denoiser: on regional blocks they are forbidden
-    # (knobs.CONFLICTS, pytorch#152887; this test hit it on an H100 before the rule).
+    # (knobs.CONFLICTS, pytorch#152887; this test hit it on an H100 before the rule). Three calls
+    # of 4 steps: CUDA graphs are recorded after a warm-up call and replayed after that, and a
+    # replay that overwrote an output still held would make the later calls differ.
     regional = mode not in CUDA_GRAPH_MODES
     config = {"dtype": "bfloat16", "compile": mode, "compile_regional": regional, "compile_vae": True}
     assert conflict(config, "flux") is None
-    pipe = run(config, "flux")
-    assert pipe.vae.decoder._compiled_call_impl is not None
+    _, (second, third) = compiles(config, "flux", steps=4, calls=3)
+    assert np.isfinite(third).all()
+    assert np.abs(second - third).max() < 1e-2, mode  # same seed, same graphs: the same image
 
 
+@pytest.mark.timeout(500)  # the guide's flags turn on coordinate-descent tuning
 def test_compile_fullgraph_with_fused_qkv_and_inductor_flags():
     from torch._inductor import config
 
     saved = config.save_config()
     try:
-        run({"dtype": "bfloat16", "fuse_qkv": True, "channels_last": True, "compile": "default",
-             "compile_fullgraph": True, "inductor_flags": True}, "sd15")
+        compiles({"dtype": "bfloat16", "fuse_qkv": True, "channels_last": True, "compile": "default",
+                  "compile_fullgraph": True, "inductor_flags": True}, "sd15")
     finally:
         config.load_config(saved)
 
@@ -195,38 +219,66 @@ def test_balanced_placement_spreads_components():
     assert len(set(pipe.hf_device_map.values())) > 1
 
 
+@pytest.mark.timeout(500)  # several hundred configs; the whole GPU visit runs under 10 minutes
 @pytest.mark.parametrize("family", ["sdxl", "sd15", "sd3", "flux"])
 def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
     """The CPU pair test's CUDA half: every pair the family's space allows on this GPU, applied to
-    a copy of the tiny pipeline and called once (compile pairs are applied, not called)."""
+    a copy of the tiny pipeline. As on the CPU, configs are grouped by what they set besides the
+    compile knobs: each group's copy is called once (1 step), and its compile variants are applied
+    to that copy afterwards (compile is last in APPLY_ORDER, so this is the same sequence) and
+    checked for their wrappers, never called: test_compile_modes_regional_and_vae calls them."""
+    started = time.perf_counter()
     t = target(family, steps=1)
     space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(t)
-    configs = {}
+    groups = {}
     for pair, config in allowed_pairs(space):
         if not space.forbidden(config):
-            configs[key(config)] = (pair, config)
+            rest, compile_part = split_compile(config)
+            groups.setdefault(key(rest), (rest, {}))[1][key(config)] = (pair, compile_part)
     spec = resolve_model(f"tiny-{family}")
+    denoiser = "unet" if family in ("sdxl", "sd15") else "transformer"
     bases = {}
     compile_knobs = [k for k in APPLY_ORDER if k.name in COMPILE_KNOBS]
     failures = []  # every failing pair, named: the first one alone does not say which rule is missing
-    for pair, config in configs.values():
-        rest, compile_part = split_compile(config)
+    calls = compile_checks = 0
+    for rest, variants in groups.values():
+        first_pair = next(iter(variants.values()))[0]
         if rest["dtype"] not in bases:  # on the host: offload must find nothing on the GPU
             bases[rest["dtype"]] = build_configured(spec, {"dtype": rest["dtype"]}, Target("cpu", family))
-        pipe = copy.deepcopy(bases[rest["dtype"]])
+        pipe = copy.deepcopy(bases[rest["dtype"]])  # whole: applying for CUDA moves every component
         pipe.set_progress_bar_config(disable=True)
         try:
             apply_config(pipe, rest, t)
-            if compile_part["compile"] != "none":
-                for knob in compile_knobs:
-                    knob.apply(pipe, config[knob.name], t, config)
-                continue
             out = pipe(prompt="a", height=64, width=64, num_inference_steps=1, output_type="np")
+            calls += 1
             if not np.isfinite(out.images).all():
-                failures.append(f"{pair}: NaN or inf in the output")
+                failures.append(f"{first_pair} ({config_changes(rest)}): NaN or inf in the output")
+            for pair, compile_part in variants.values():
+                if compile_part["compile"] == "none":
+                    continue
+                full = {**rest, **compile_part}
+                try:
+                    for knob in compile_knobs:
+                        knob.apply(pipe, full[knob.name], t, full)
+                    model = getattr(pipe, denoiser)
+                    wrapped = (any(m._compiled_call_impl is not None for m in model.modules())
+                               if full["compile_regional"] else model._compiled_call_impl is not None)
+                    if not wrapped:
+                        failures.append(f"{pair}: the denoiser was not wrapped for compilation")
+                    compile_checks += 1
+                except Exception as exc:  # noqa: BLE001 - collected, reported below
+                    failures.append(f"{pair} ({config_changes(full)}): {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0][:200]}")
+                finally:
+                    uncompile(pipe)
         except Exception as exc:  # noqa: BLE001 - collected, reported below
-            failures.append(f"{pair} ({config_changes(config)}): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            failures.append(f"{first_pair} ({config_changes(rest)}): {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200]}")
         finally:
             del pipe
+            gc.collect()  # hooks and wrappers hold reference cycles: the cache frees only after this
             torch.cuda.empty_cache()
-    assert not failures, f"{len(failures)} of {len(configs)} pairs failed:\n" + "\n".join(failures)
+    configs = sum(len(v) for _, v in groups.values())
+    print(f"{family}: {configs} allowed configs ({calls} called, {compile_checks} compile checks), "
+          f"{time.perf_counter() - started:.1f} s")
+    assert not failures, f"{len(failures)} of {configs} configs failed:\n" + "\n".join(failures)
