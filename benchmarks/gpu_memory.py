@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.knobs import baseline
     from autotune.models import resolve_model
     from autotune.sizes import format_size, parse_margin, parse_size
-    from autotune.study import violation
     from autotune.workload import Workload
 
     terminate_as_interrupt()  # stopped by `timeout` or kill: the running trial's group is killed too
@@ -70,29 +69,50 @@ def main(argv: list[str] | None = None) -> int:
     margin_bytes = parse_margin(margin, budget)
     spec = resolve_model(args.model, random_weights=True)
     workload = Workload(args.height, args.width, args.steps)
+    # NVML, not torch.cuda: a CUDA context in this process would sit on the GPU beside the trials
+    gpu = fingerprint.machine("cuda")["name"]
+    capability = fingerprint.capability("cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, changes in CONFIGS.items():
             request = worker.trial_request(
-                spec, {**baseline(), **changes}, workload, "cuda", capability=torch.cuda.get_device_capability(),
+                spec, {**baseline(), **changes}, workload, "cuda", capability=capability,
                 **{k: defaults[k] for k in ("repeats", "max_calls", "spread_limit", "warmup")},
             )
             started = time.monotonic()
-            result = runner.run_trial(request, Path(tmp) / f"{len(rows)}", args.trial_timeout)
+            trial_dir = Path(tmp) / f"{len(rows)}"
+            result = runner.run_trial(request, trial_dir, args.trial_timeout)
             result["trial_wall_s"] = time.monotonic() - started
-            result.pop("traceback", None)
+            if result["status"] != worker.OK and (trial_dir / "worker.log").exists():
+                # kept beside the tables: a failure must be readable without another GPU run
+                log = args.out / f"gpu_memory-trial-{len(rows)}.log"
+                log.write_bytes((trial_dir / "worker.log").read_bytes()[-200_000:])
+                result["log"] = str(log)
+            else:
+                result.pop("log", None)  # in the temporary folder, gone after the run
             rows.append({"name": name, "config": changes, **result})
             peak = result.get("peak_memory_bytes")
             print(f"{name}: {result['status']}, peak {format_size(peak)}, torch reserved "
                   f"{format_size(result.get('torch_peak_reserved_bytes'))}, "
-                  f"latency {result.get('latency_s', float('nan')):.3f} s", flush=True)
+                  f"latency {result.get('latency_s', float('nan')):.3f} s"
+                  + (f" ({result.get('error', '')[:200]})" if result["status"] != worker.OK else ""), flush=True)
+            # after every row: a run stopped at its time limit keeps what it measured
+            write_tables(args, rows, gpu, torch.__version__, margin, margin_bytes, budget)
+    print((args.out / "gpu_memory.md").read_text())
+    return 0
 
-    gpu = torch.cuda.get_device_name(0)
+
+def write_tables(args, rows: list[dict], gpu: str, torch_version: str, margin: str, margin_bytes: int,
+                 budget: int) -> None:
+    from autotune.sizes import format_size
+    from autotune.study import violation
+
     lines = [
         f"# GPU memory: driver (NVML) against torch, {args.model} random weights, "
         f"{args.width}x{args.height}, {args.steps} steps",
         "",
-        f"{gpu}, torch {torch.__version__}, Python {platform.python_version()}. Budget {args.budget} "
+        f"{gpu}, torch {torch_version}, Python {platform.python_version()}. Budget {args.budget} "
         f"with autotune's default margin ({margin}: {format_size(margin_bytes)}): a configuration fits "
         "when its peak plus the margin is within the budget. The peak is NVML's polled figure for the "
         "trial's process, or torch's reserved peak plus what the driver holds outside torch's cache "
@@ -118,16 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{format_size(headroom) if headroom is not None and headroom >= 0 else '-'} | "
             f"{f'{latency:.3f}' if latency else '-'} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_memory.md").write_text(text)
     (args.out / "gpu_memory.json").write_text(json.dumps({"gpu": gpu, "budget": args.budget, "rows": rows}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout` (terminate_as_interrupt)
-        print("interrupted: nothing written", file=sys.stderr)
+        print("interrupted: the rows measured before are in gpu_memory.md/.json under --out", file=sys.stderr)
         sys.exit(130)

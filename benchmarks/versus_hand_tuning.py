@@ -497,6 +497,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("versus_hand_tuning: the default pipeline did not run: nothing to compare against")
     budgets = parse_budgets(budgets_text, device, peaks, machine["memory_bytes"])
     log("budgets: " + ", ".join(format_size(b) for b in budgets))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("versus_hand_tuning" + (f"-{args.name}" if args.name else ""))
+    partial = stem.with_name(stem.name + ".partial.json")
+
+    def checkpoint(tuned: list[dict]) -> None:
+        """What is measured so far, for a run stopped at a time limit (the tables come at the end;
+        the same --workdir resumes it)."""
+        partial.write_text(json.dumps({"workdir": str(workdir), "budgets": budgets, "contestants": rows,
+                                       "autotune": tuned}, indent=1, default=str))
+
+    checkpoint([])
 
     # 2. autotune, one study per budget
     tuned = []
@@ -533,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             f"best {config_changes(entry['point']['config'])}: {_s(entry['point']['latency_s'])}, peak "
             f"{format_size(entry['point']['peak_memory_bytes'])}" if entry["point"] else "nothing fits"))
         tuned.append(entry)
+        checkpoint(tuned)
 
     # 3. quality of the hand-made contestants against the run's float32 reference
     reference = next((workdir / t["study"] / "reference.npy" for t in tuned
@@ -572,9 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         "quality_guard_db": guard_db,
         "budgets": budgets, "contestants": rows, "autotune": tuned, "summary": summary,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("versus_hand_tuning" + (f"-{args.name}" if args.name else ""))
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    partial.unlink(missing_ok=True)
     stem.with_suffix(".md").write_text(markdown(doc))
     try:
         chart(doc, stem.with_suffix(".png"))
