@@ -188,10 +188,14 @@ def test_a_peak_polling_missed_is_reported_from_torchs_figures(monkeypatch):
     class Props:
         uuid = "x"
 
-    for name, value in {"reset_peak_memory_stats": None, "synchronize": None, "get_device_properties": Props(),
-                        "max_memory_allocated": 700, "max_memory_reserved": 900, "memory_reserved": 200}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
-    report = MemoryTracker("cuda").report()
+    calls = []
+    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
+                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
+                        "memory_reserved": 200}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, n=name: calls.append(n) or v)
+    report = MemoryTracker("cuda:0").report()
+    # given "cuda:N", torch's reset_peak_memory_stats raises unless CUDA was initialized first
+    assert calls.index("init") < calls.index("reset_peak_memory_stats")
     # polling saw 600 at most; torch reserved 900 at its peak, and the driver holds 600 - 200 = 400 beyond it
     assert report.nvml_sampled_peak_bytes == 600 and report.outside_torch_bytes == 400
     assert report.peak_bytes == 1300 and report.source == "torch-reserved+outside"
