@@ -257,6 +257,11 @@ def terminate_as_interrupt() -> None:
     import signal
 
     def interrupt(signum, frame):
+        # Once only: a second signal (Ctrl-C pressed twice; `timeout` signals the process, then its
+        # group) raised inside the clean-up would cut the kill of the trial short, or come after
+        # the exit message as a traceback.
+        if INTERRUPTED.is_set():
+            return
         INTERRUPTED.set()
         raise KeyboardInterrupt
 

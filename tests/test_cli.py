@@ -562,6 +562,27 @@ def test_an_interrupted_run_says_so_on_stderr_and_its_resume_names_the_earlier_r
     assert "this worker measured 1 of the study's 2 trials" in done.stdout
 
 
+@pytest.mark.slow
+def test_a_second_stop_signal_during_the_clean_up_changes_nothing(tmp_path):
+    """`timeout` signals the process and then its group; a user presses Ctrl-C twice: the second
+    signal, arriving while the first one's clean-up kills the trial, once cut that short (a
+    traceback and exit 1) or came after the exit message ("Exception ignored in atexit")."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    args = ["--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "2", "--confirm", "0",
+            "--min-psnr", "0", "--repeats", "3", "--height", "64", "--width", "64", "--steps", "1",
+            "--max-calls", "20", "--spread", "0.0001"]
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_second_measured_trial(tmp_path)
+    for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):  # back to back: during the clean-up
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "run the same command to resume" in err
+
+
 # ---- --gpus ----------------------------------------------------------------------------------------------
 # Two GPUs faked for `autotune --gpus 0,1` (the parent, its workers and their trials read it):
 # the GPU checks pass, and every trial runs on the CPU.
