@@ -95,6 +95,11 @@ def _min_psnr(text: str) -> str | float:
         raise argparse.ArgumentTypeError(f"must be a finite number of dB (or 'auto'), got {text}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    from .quality import PSNR_CAP_DB
+
+    if value > PSNR_CAP_DB:  # no output could pass: every config would be "infeasible"
+        raise argparse.ArgumentTypeError(f"{text} dB is above what any output scores ({PSNR_CAP_DB:g} dB: "
+                                         "identical to the reference)")
     return value
 
 
@@ -507,15 +512,23 @@ def _write_profile(out, request, outcome, output: Path) -> int:
     from .errors import AutotuneError
     from .sizes import format_size
 
-    from .worker import OUT_OF_MEMORY
+    from .worker import OK, OUT_OF_MEMORY
 
     if outcome.best is None:
-        smallest = outcome.smallest_peak_bytes
-        if not smallest and not any(r.latency_s or r.status == OUT_OF_MEMORY for r in outcome.records):
-            # nothing was measured: not a budget too small (exit 3), a run that learnt nothing
-            print(f"autotune: error: no trial completed a measurement ({outcome.stop_reason}); no "
-                  "profile written", file=sys.stderr)
+        ran = [r for r in outcome.records if r.status == OK]
+        out_of_memory = [r for r in outcome.records if r.status == OUT_OF_MEMORY]
+        if not ran and not out_of_memory:
+            # nothing ran, and not for lack of memory: not a budget too small (exit 3)
+            if outcome.records:
+                first = outcome.records[0]
+                by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
+                why = f"no configuration ran ({by_status}); trial {first.number}: {first.result.get('error', first.status)}"
+            else:
+                why = f"no trial completed a measurement ({outcome.stop_reason})"
+            print(f"autotune: error: {why}; no profile written", file=sys.stderr)
             return EXIT_ERROR
+        # the peaks of what ran, or ran out: a failure's peak is wherever it stopped
+        smallest = min((r.peak_memory_bytes for r in ran + out_of_memory if r.peak_memory_bytes), default=None)
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
             "no trial recorded its peak memory"
         if smallest and request.margin_bytes:
@@ -523,6 +536,10 @@ def _write_profile(out, request, outcome, output: Path) -> int:
             shown = format_size(request.margin_bytes)
             seen += f" plus the margin of {request.margin} ({shown})" if str(request.margin).endswith("%") \
                 else f" plus the margin of {shown}"
+        below_guard = sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran)
+        if below_guard and outcome.quality_guard:
+            seen += (f"; {below_guard} that fit in memory fell below the quality guard's "
+                     f"{outcome.quality_guard['min_psnr_db']:g} dB (--min-psnr)")
         print(f"autotune: error: no configuration fits {format_size(request.budget_bytes)}: {seen}; "
               "no profile written", file=sys.stderr)
         return EXIT_NO_FIT

@@ -394,6 +394,9 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
     if result["status"] != worker.OK:
+        if did_not_load(result):
+            raise AutotuneError(f"the model did not load: {result.get('error', '').removeprefix('load: ')} "
+                                f"(log: {result.get('log')})")
         if result["status"] == worker.TIMEOUT:
             hint = f"; the baseline needs longer than --trial-timeout {req.trial_timeout_s:g} s here: raise it"
         else:
@@ -424,6 +427,13 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     else:
         guard["min_psnr_db"] = float(req.min_psnr_db)
     return guard
+
+
+def did_not_load(baseline_result: dict) -> bool:
+    """Whether the default pipeline failed to build for a reason no config can change (a broken
+    model folder, a missing component): not memory, which other configs may need less of."""
+    return baseline_result.get("phase") == "load" and baseline_result["status"] not in (
+        worker.OK, worker.OUT_OF_MEMORY, worker.TIMEOUT)
 
 
 def _request_attr(req: TuneRequest) -> dict:
@@ -732,6 +742,13 @@ def tune(
             # (Ctrl-Z, a frozen VM) and another worker failed it and queued its config again.
             # The runner killed the child; the retry measures the config.
             continue
+        if trial.user_attrs.get("baseline") and did_not_load(result):
+            # Every config starts from this pipeline. Queued again: once the model is mended, the
+            # same command measures it first.
+            study.tell(trial, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, user_attrs={"baseline": True})
+            raise AutotuneError(f"the model did not load (the baseline, trial {trial.number}): "
+                                f"{result.get('error', '').removeprefix('load: ')} (log: {result.get('log')})")
         if min_psnr_db:
             result["quality"] = quality.assess(result, req.reference_path)
         if result.get("output"):  # the PNG stays; the full-precision array was only for assess

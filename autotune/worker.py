@@ -184,6 +184,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         # autotune's own errors are written for the user already; a library's needs its type
         said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
         result["error"] = f"{phase}: {said}".splitlines()[0][:500]
+        result["phase"] = phase  # "load": the pipeline was never built
         result["traceback"] = traceback_for_result(traceback.format_exc())
         traceback.print_exc()  # whole, into the trial's log
     finally:

@@ -401,6 +401,7 @@ CHEAP = ["--model", "tiny-sd15", "--space", "small.yaml", "--trials", "1", "--co
         (["--timeout", "nan"], "must be a finite number"),
         (["--trial-timeout", "inf"], "must be a finite number"),
         (["--min-psnr", "nan"], "must be a finite number"),
+        (["--min-psnr", "1000"], "1000 dB is above what any output scores (100 dB: identical to the reference)"),
         (["--vram", "2GB", "--margin", "3GB"], "--margin 3GB is not under the budget 2.00 GiB"),
         (["--vram", "2GB", "--margin", "2GB"], "--margin 2GB is not under the budget 2.00 GiB"),
         (["--height", "63"], "--height 63: tiny-sd15 (sd15) takes multiples of 8 pixels, such as 56 or 64"),
@@ -408,7 +409,7 @@ CHEAP = ["--model", "tiny-sd15", "--space", "small.yaml", "--trials", "1", "--co
         (["--model", "tiny-flux", "--height", "8"], "--height 8: tiny-flux (flux) takes multiples of 16 pixels, such as 16"),
     ],
     ids=["negative-percent-margin", "negative-size-margin", "nan-spread", "nan-timeout", "inf-trial-timeout",
-         "nan-min-psnr", "margin-over-budget", "margin-equal-budget", "height-63", "sd3-width-72", "flux-height-8"],
+         "nan-min-psnr", "min-psnr-above-cap", "margin-over-budget", "margin-equal-budget", "height-63", "sd3-width-72", "flux-height-8"],
 )
 def test_bad_values_are_usage_errors_before_any_trial(cli, tmp_path, args, message):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
@@ -538,6 +539,49 @@ def test_no_fit_because_of_the_margin_names_the_margin(cli, tmp_path):
     line = one_line_error(proc)
     assert "no configuration fits 2.00 GiB: the smallest peak memory measured was" in line
     assert "MiB plus the margin of 1.76 GiB; no profile written" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guard", ["auto", "0"], ids=["reference-call", "baseline-trial"])
+def test_a_model_that_does_not_load_stops_the_run_with_its_reason(cli, tmp_path, guard):
+    """A model folder missing its UNet: no config can run. Before, every trial failed to load and
+    the run ended with exit 3 "no configuration fits", or with a hint to turn the guard off."""
+    import shutil
+
+    from autotune.models import build_pipeline, resolve_model
+
+    build_pipeline(resolve_model("tiny-sd15")).save_pretrained(tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "unet")
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli("--model", "broken", "--space", "small.yaml", "--trials", "3", "--confirm", "0", "--min-psnr", guard,
+               "--repeats", "1", "--vram", "2GB", *SMALL_WORKLOAD)
+    line = one_line_error(proc)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert line.startswith("autotune: error: the model did not load") and "cannot load" in line, line
+    assert "--min-psnr 0" not in line
+    study = stored_study(tmp_path)
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]  # stopped at once
+    if guard == "0":  # the baseline failed as a trial: queued again, for the same command once mended
+        waiting = [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+        assert [t.user_attrs.get("baseline") for t in waiting] == [True]
+
+
+def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_fit(tmp_path, capsys):
+    from autotune import cli as cli_module
+    from autotune.console import terminal
+    from autotune.study import StudyOutcome, TrialRecord
+
+    over = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 900 * 2**20, "latency_s": 1.0}, 0.5,
+                       violations={"memory": 0.5, "quality": -1})
+    noisy = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 400 * 2**20, "latency_s": 0.5}, 0.2,
+                        violations={"memory": -0.2, "quality": 0.2})
+    outcome = StudyOutcome(records=[over, noisy], stop_reason="done", quality_guard={"min_psnr_db": 41.5})
+    request = type("Request", (), {"budget_bytes": 600 * 2**20, "margin_bytes": 0, "margin": "0"})()
+    code = cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml")
+    err = capsys.readouterr().err
+    assert code == cli_module.EXIT_NO_FIT
+    assert "smallest peak memory measured was 400.00 MiB; 1 that fit in memory fell below the quality guard's " \
+           "41.5 dB (--min-psnr)" in err
 
 
 @pytest.mark.slow
