@@ -103,6 +103,16 @@ def _min_psnr(text: str) -> str | float:
     return value
 
 
+def _sampler_seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if not 0 <= value < 2**32:  # numpy's generator, under Optuna's samplers, takes no other
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**32 - 1 ({2**32 - 1}), got {text}")
+    return value
+
+
 def _size(text: str) -> int:
     from .sizes import parse_size
 
@@ -133,6 +143,9 @@ def tune_parser() -> argparse.ArgumentParser:
         epilog="Other commands: autotune show PROFILE | autotune verify PROFILE | "
         "autotune export --study-name NAME [--storage URL] | autotune report ... --out DIR",
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"autotune {__version__}")
     m = p.add_argument_group("model and workload (defaults come from the model)")
     m.add_argument("--model", default="tiny-sdxl", help="an alias (sdxl, sd15, sd3, flux-dev, "
                    "flux-schnell, tiny-sdxl, ...), a hub id in the local cache, or a local "
@@ -192,7 +205,7 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm-start", action="append", default=[], metavar="PROFILE_OR_STUDY",
                    help="measure first the front of an earlier study (another budget, a similar "
                    "GPU): a profile file, NAME@STORAGE_URL, or a study NAME in --storage; repeatable")
-    s.add_argument("--sampler-seed", type=int, help="seed of the sampler, for repeatable runs")
+    s.add_argument("--sampler-seed", type=_sampler_seed, help="seed of the sampler, for repeatable runs")
     s.add_argument("--launcher", choices=("fork", "spawn"),
                    help="start trials forked from a preloaded server (fast) or as fresh "
                    "interpreters (default: fork on a CPU, spawn on a GPU)")
@@ -237,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             from .report import main as report_main
 
             return report_main(argv[1:])
+        if argv and not argv[0].startswith("-"):  # the tuning run takes options only
+            raise UsageError(f"unknown command {argv[0]!r} (commands: show, verify, export, report; or "
+                             "tune with options such as --model)")
         _stop_when_gpus_parent_dies()
         return _tune(tune_parser().parse_args(argv), argv)
     except UsageError as exc:
@@ -377,6 +393,12 @@ def _tune(args, argv: list[str]) -> int:
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
+    if not args.model.strip():
+        raise UsageError("--model is empty: name an alias (sdxl, tiny-sdxl, ...), a hub id or a folder")
+    if args.no_profile and args.output:
+        raise UsageError("--output names the profile, which --no-profile does not write: give one of them")
+    if args.gpus and args.device not in ("auto", "cuda"):
+        raise UsageError(f"--gpus runs every worker on a GPU: --device {args.device} contradicts it")
     spec = resolve_model(args.model, random_weights=args.random_weights)
     if args.gpus:
         _check_gpus(args.gpus)
@@ -425,6 +447,8 @@ def _tune(args, argv: list[str]) -> int:
 
         _check_not_the_storage(output, storage)
         check_writable(output)
+        if not args.output:
+            _check_default_output_is_this_studys(output, study_name)
     workdir = args.workdir / "trials" / study_name
 
     request = TuneRequest(
@@ -475,9 +499,28 @@ def _check_image_size(spec, workload) -> None:
                              f"{multiple} pixels, such as {near}")
 
 
+def _check_default_output_is_this_studys(output: Path, study_name: str) -> None:
+    """The default name says model and budget only: a run of another workload, seed or threshold
+    would silently replace the profile a server may be loading. Refused before the search."""
+    from .errors import AutotuneError
+    from .profile import load_profile
+
+    if not output.is_file():
+        return
+    try:
+        held = load_profile(output, check_fingerprint=False).data["study"]["name"]
+    except (AutotuneError, KeyError, TypeError):
+        return  # not a profile autotune can read: nothing a server could load is lost
+    if held != study_name:
+        raise AutotuneError(f"{output} holds the profile of another run (study {held}); this run is "
+                            f"study {study_name}: name its profile with -o, or move the file away")
+
+
 def _check_study_name(name: str) -> None:
     # The name is a folder under --workdir (trials, compile cache): it must stay one folder there.
-    if not name.strip() or "/" in name or os.sep in name or name in (".", ".."):
+    if not name.strip():
+        raise UsageError("--study-name is empty: name the study, or leave the option out for the default")
+    if "/" in name or os.sep in name or name in (".", ".."):
         raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
 
 

@@ -57,6 +57,13 @@ def one_line_error(proc):
         (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
         (["-o", "autotune-studies/studies.db", "--trials", "1"], "would destroy the measured trials"),
+        (["shw", "x.yaml"], "unknown command 'shw' (commands: show, verify, export, report"),
+        (["--sampler-seed", "-1"], "--sampler-seed: must be from 0 to 2**32 - 1"),  # else numpy's traceback
+        (["--sampler-seed", str(2**32)], "--sampler-seed: must be from 0 to 2**32 - 1"),
+        (["--model", ""], "--model is empty"),
+        (["--study-name", "", "--trials", "1"], "--study-name is empty"),
+        (["--no-profile", "-o", "p.yaml"], "which --no-profile does not write"),
+        (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
@@ -458,6 +465,23 @@ def test_an_unwritable_profile_path_is_refused_before_the_first_trial(cli, tmp_p
     assert proc.returncode == 1
     assert line.startswith(f"autotune: error: profile {output}: ") and all(w in line for w in words), line
     assert not list(tmp_path.glob("autotune-studies/trials/*/trial-*"))  # no trial measured first
+
+
+@pytest.mark.slow
+def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
+    """MODEL-BUDGET.yaml says nothing of the workload: a run at another height would have replaced
+    the profile silently. Refused before its first trial; -o writes it elsewhere."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    assert cli(*CHEAP, "--vram", "2GB").returncode == 0
+    before = (tmp_path / "tiny-sd15-2GB.yaml").read_text()
+    assert cli(*CHEAP, "--vram", "2GB").returncode == 0  # the same run again: its own profile, rewritten
+    proc = cli(*CHEAP, "--vram", "2GB", "--height", "72")
+    line = one_line_error(proc)
+    assert proc.returncode == 1
+    assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run") and "-o" in line
+    assert (tmp_path / "tiny-sd15-2GB.yaml").read_text().split("study:")[1] == before.split("study:")[1]
+    assert not list(tmp_path.glob("autotune-studies/trials/*72x64*"))  # nothing measured
+    assert cli(*CHEAP, "--vram", "2GB", "--height", "72", "-o", "tall.yaml").returncode == 0
 
 
 # ---- verify ------------------------------------------------------------------------------------------
