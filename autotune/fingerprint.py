@@ -12,6 +12,8 @@ from importlib import metadata
 
 import psutil
 
+from .sizes import format_size
+
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "torchao", "xformers", "optuna", "autotune")
 
 
@@ -120,6 +122,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _shown(key: str, value, other) -> str:
+    """A fingerprint value as a person reads it: a size (a key ending in _bytes) in GiB, not
+    25276510208; with its bytes too where the other side's rounds to the same text."""
+    if key.endswith("_bytes") and isinstance(value, int) and not isinstance(value, bool):
+        text = format_size(value)
+        return f"{text} ({value} bytes)" if isinstance(other, int) and format_size(other) == text else text
+    return repr(value)
+
+
 def differences(recorded: dict, current: dict, keys, absent: str = "unknown") -> list[str]:
     """Human lines for each key whose value differs between two fingerprints; a value one side
     lacks (a GPU's name on a machine without that GPU, a library not installed) is `absent`
@@ -128,7 +139,7 @@ def differences(recorded: dict, current: dict, keys, absent: str = "unknown") ->
     for key in keys:
         was, now = recorded.get(key), current.get(key)
         if was != now:
-            was = f"profiled on {was!r}" if was is not None else f"{absent} when profiled"
-            now = f"here {now!r}" if now is not None else f"{absent} here"
-            lines.append(f"{key}: {was}, {now}")
+            was_text = f"profiled on {_shown(key, was, now)}" if was is not None else f"{absent} when profiled"
+            now_text = f"here {_shown(key, now, was)}" if now is not None else f"{absent} here"
+            lines.append(f"{key}: {was_text}, {now_text}")
     return lines

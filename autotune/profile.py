@@ -2,6 +2,7 @@
 
     profile = autotune.load_profile("sdxl-8GB.yaml")
     pipe = profile.load_pipeline()      # build the model and apply the best configuration
+    pipe = profile.load_pipeline(budget_bytes="6GB")  # the fastest measured point under 6 GiB
     profile.apply(pipe)                 # or apply it to a pipeline loaded already
 
 Written atomically (a temporary file in the same folder, then a rename); read with a safe loader
@@ -24,7 +25,7 @@ from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
-from .sizes import format_size, parse_margin
+from .sizes import format_size, parse_margin, parse_size
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -132,6 +133,14 @@ def check_writable(path: str | Path) -> Path:
     return path
 
 
+class _Dumper(yaml.SafeDumper):
+    """The safe dumper, without anchors and aliases (&id001 ... *id001): profiles are read and
+    diffed by people, and `build` shares a config between the best and its front point."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def save(document: dict, path: str | Path) -> Path:
     """Write atomically: readers see the old file or the new one, never half of one. The file gets
     the mode an overwritten profile had, else the one open() would give: a serving process running
@@ -149,7 +158,7 @@ def save(document: dict, path: str | Path) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), mode)
-            yaml.safe_dump(document, f, sort_keys=False)
+            yaml.dump(document, f, Dumper=_Dumper, sort_keys=False)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -166,6 +175,18 @@ def save(document: dict, path: str | Path) -> Path:
 class Profile:
     data: dict
     path: Path | None = None
+
+    def __repr__(self) -> str:
+        # One line: the dataclass repr printed the whole document. "?" where a Profile made
+        # from a partial document lacks a field, rather than an error from repr.
+        d = self.data
+        best = (d.get("best") or {}).get("latency_s")
+        latency = f"{best:.3f} s" if _is_number(best) else "?"
+        model = (d.get("model") or {}).get("name", "?")
+        device = (d.get("machine") or {}).get("device", "?")
+        budget = (d.get("budget") or {}).get("memory_bytes")
+        budget = format_size(budget) if _is_number(budget) else "?"
+        return f"<Profile {model}, budget {budget}, {device}, best {latency}, {self.path or 'no file'}>"
 
     # ---- what it says -------------------------------------------------------------------------
     @property
@@ -201,22 +222,43 @@ class Profile:
     def config(self) -> Config:
         return complete(self.best["config"])
 
-    def margin_bytes(self, budget_bytes: int | None = None) -> int:
-        """The profile's safety margin under `budget_bytes` (by default the profile's own budget)."""
-        return parse_margin(self.margin, self.budget_bytes if budget_bytes is None else budget_bytes)
+    def _budget(self, budget_bytes: int | str | None) -> int:
+        """A budget in bytes, from bytes or a size as the CLI takes it ("6GB", "7.5GiB"); the
+        profile's own for None. ProfileError for anything that is not a positive size."""
+        if budget_bytes is None:
+            return self.budget_bytes
+        if isinstance(budget_bytes, str):
+            try:
+                return parse_size(budget_bytes)
+            except ValueError as exc:
+                raise ProfileError(f"budget_bytes: {exc}") from None
+        if not _is_number(budget_bytes) or budget_bytes < 1:
+            raise ProfileError(f"budget_bytes must be a positive number of bytes or a size such as "
+                               f"'6GB', not {budget_bytes!r:.40}")
+        return int(budget_bytes)
 
-    def fits(self, peak_bytes: int, budget_bytes: int | None = None) -> bool:
-        """Whether a peak plus the profile's safety margin is within `budget_bytes` (by default
-        the profile's own budget): the rule the study judged its trials by."""
-        budget_bytes = self.budget_bytes if budget_bytes is None else budget_bytes
+    def margin_bytes(self, budget_bytes: int | str | None = None) -> int:
+        """The profile's safety margin under `budget_bytes` (bytes, or a size such as "6GB"; by
+        default the profile's own budget)."""
+        return parse_margin(self.margin, self._budget(budget_bytes))
+
+    def fits(self, peak_bytes: int, budget_bytes: int | str | None = None) -> bool:
+        """Whether a peak plus the profile's safety margin is within `budget_bytes` (bytes, or a
+        size such as "6GB"; by default the profile's own budget): the rule the study judged its
+        trials by."""
+        budget_bytes = self._budget(budget_bytes)
         return peak_bytes + self.margin_bytes(budget_bytes) <= budget_bytes
 
-    def choose(self, budget_bytes: int | None = None) -> dict:
+    def choose(self, budget_bytes: int | str | None = None) -> dict:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
-        (or none is given): the study's pick, which may be a simpler config than a front point
-        with a lower median that its trials did not back (study.choose_best). Else the fastest
-        front point that fits."""
-        if budget_bytes is None or self.fits(self.best["peak_memory_bytes"], budget_bytes):
+        (bytes, or a size such as "6GB"; or none is given): the study's pick, which may be a
+        simpler config than a front point with a lower median that its trials did not back
+        (study.choose_best). Else the fastest front point that fits; ProfileError when none
+        does, or when the budget is not a positive size."""
+        if budget_bytes is None:
+            return self.best
+        budget_bytes = self._budget(budget_bytes)
+        if self.fits(self.best["peak_memory_bytes"], budget_bytes):
             return self.best
         fitting = [p for p in self.pareto if self.fits(p["peak_memory_bytes"], budget_bytes)]
         if not fitting:
@@ -238,14 +280,16 @@ class Profile:
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
                       workload=self.workload)
 
-    def apply(self, pipe, device: str | None = None, budget_bytes: int | None = None):
+    def apply(self, pipe, device: str | None = None, budget_bytes: int | str | None = None):
         """Put a loaded pipeline into the measured state (the same code the trials ran). Load it
-        on the CPU: the configuration moves it to the device at the point the trial did."""
+        on the CPU: the configuration moves it to the device at the point the trial did.
+        `budget_bytes` (bytes, or a size such as "6GB") picks as `choose` does."""
         config = complete(self.choose(budget_bytes)["config"])
         return apply_config(pipe, config, self._target(device))
 
-    def load_pipeline(self, device: str | None = None, budget_bytes: int | None = None):
-        """Build the profiled model and apply the chosen configuration, as the trial did."""
+    def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
+        """Build the profiled model and apply the chosen configuration, as the trial did;
+        `budget_bytes` (bytes, or a size such as "6GB") picks it as `choose` does."""
         return build_configured(self.model, self.choose(budget_bytes)["config"], self._target(device))
 
     def mismatches(self) -> list[str]:

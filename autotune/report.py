@@ -107,6 +107,12 @@ class StudyData:
         return None
 
     @property
+    def measured(self) -> bool:
+        """Whether any trial completed a measurement: a study stopped (Ctrl-C) before its first
+        trial ended has none, and is left out of the charts."""
+        return bool(self.points)
+
+    @property
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for span in self.timeline:
@@ -211,7 +217,7 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
         _trials=[t for t in trials if t.number in measured],
     )
     if not data.points:
-        data.notes.append(f"{name}: no trial completed a measurement")
+        data.notes.append(f"{name}: no trial completed a measurement (left out of the charts)")
     elif data.best is None:
         data.notes.append(f"{name}: no measured configuration fits the budget")
     return data
@@ -356,7 +362,7 @@ def config_changes(config: dict) -> str:
 def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str, float], str | None]:
     """Which knobs move latency (or peak memory) most: optuna's PED-ANOVA evaluator over the
     study's measured, successful, non-duplicate trials. Returns (importances, note); the note
-    says why there are none (too few trials, nothing varied, a profile without its study)."""
+    says why there are none (none measured, too few, nothing varied, a profile without its study)."""
     import optuna
     from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
 
@@ -365,9 +371,10 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
               if t.user_attrs.get("result", {}).get("status") == "ok"
               and t.user_attrs["result"].get(key) is not None and t.params]
     if not study._trials:
-        return {}, f"{study.label}: no trials to rank knobs from (a profile without its study)"
+        why = "a profile without its study" if study.source == "profile" else "none measured"
+        return {}, f"{study.label}: no trials to rank knobs from ({why})"
     if len(trials) < MIN_IMPORTANCE_TRIALS:
-        return {}, (f"{study.label}: {len(trials)} successful trial(s); ranking knobs needs at "
+        return {}, (f"{study.label}: {_count(len(trials), 'successful trial')}; ranking knobs needs at "
                     f"least {MIN_IMPORTANCE_TRIALS}")
     varied = [name for name in trials[0].params if len({repr(t.params.get(name)) for t in trials}) > 1]
     if not varied:
@@ -434,6 +441,17 @@ def _colors(n: int) -> list:
     return [cmap(i % 10) for i in range(n)]
 
 
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    """"1 study", "2 studies": a count with its noun in the right number."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _charted(studies: list[StudyData]) -> list[StudyData]:
+    """The studies the charts draw: those with a measurement. A study with none has nothing to
+    draw, and two dozen of them (runs stopped before a trial ended) crowded out the rest."""
+    return [s for s in studies if s.measured]
+
+
 def _size_text(size: int | None) -> str:
     from .sizes import format_size
 
@@ -443,6 +461,7 @@ def _size_text(size: int | None) -> str:
 def plot_fronts(studies: list[StudyData]):
     """Latency against peak memory: every measured configuration (faint), each study's feasible
     Pareto front (line), its best (star), baseline (square) and budget (dashed line)."""
+    studies = _charted(studies)
     fig = _figure(9, 5.5)
     ax = fig.add_subplot()
     values = [p.peak_memory_bytes for s in studies for p in s.points + s.front]
@@ -486,6 +505,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     """The best latency each study measured for any budget: solid within the study's budget,
     dashed beyond it (over-budget measurements: what more memory would buy). A dot marks the
     study's own budget, labelled with its speedup over its baseline."""
+    studies = _charted(studies)
     fig = _figure(9, 5)
     ax = fig.add_subplot()
     top = max([p.peak_memory_bytes for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
@@ -519,7 +539,8 @@ def plot_best_vs_budget(studies: list[StudyData]):
     ax.set_ylabel("best latency per call (s)")
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if studies:  # none measured: an empty legend would only warn
+        ax.legend(fontsize=8)
     return fig
 
 
@@ -540,7 +561,8 @@ def best_table(studies: list[StudyData]) -> list[dict]:
             "best_peak": _size_text(s.best.peak_memory_bytes) if s.best else "-",
             "baseline_latency_s": s.baseline.latency_s if s.baseline else None,
             "speedup": s.speedup,
-            "configuration": config_changes(s.best.config) if s.best else "nothing fits the budget",
+            "configuration": (config_changes(s.best.config) if s.best else
+                              "nothing fits the budget" if s.measured else "no trials measured"),
             "measured_trials": len(s._trials) if s._trials else None,
         })
     return rows
@@ -563,6 +585,7 @@ def best_table_html(studies: list[StudyData]) -> str:
 
 def plot_speedups(studies: list[StudyData]):
     """Speedup of each study's best over its baseline, with the configuration that gave it."""
+    studies = _charted(studies)
     fig = _figure(9, 1.2 + 0.7 * len(studies))
     ax = fig.add_subplot()
     colors = _colors(len(studies))
@@ -586,12 +609,16 @@ def plot_speedups(studies: list[StudyData]):
 def plot_importances(studies: list[StudyData]):
     """Knob importance for latency and for peak memory (PED-ANOVA), one bar per study; a study
     with too few trials gets a note instead of bars."""
-    fig = _figure(10, 5)
-    axes = fig.subplots(1, 2, sharey=True)
-    colors = _colors(len(studies))
+    studies = _charted(studies)
     results = {t: [knob_importance(s, t) for s in studies] for t in ("latency", "memory")}
     knobs = sorted({k for t in results for imp, _ in results[t] for k in imp})
     notes = sorted({note for t in results for _, note in results[t] if note})
+    # The notes get their own strip below the axes: in a fixed-height figure, a dozen of them
+    # squeezed the axes to nothing (matplotlib warned that constrained_layout collapsed).
+    notes_height = 0.14 * len(notes) + 0.15 if notes else 0  # inches: 8-point lines
+    fig = _figure(10, 5 + notes_height)
+    axes = fig.subplots(1, 2, sharey=True)
+    colors = _colors(len(studies))
     height = 0.8 / max(1, len(studies))
     for ax, target in zip(axes, ("latency", "memory")):
         for i, (s, color, (imp, note)) in enumerate(zip(studies, colors, results[target])):
@@ -618,7 +645,8 @@ def plot_importances(studies: list[StudyData]):
     if notes:
         fig.text(0.01, 0.005, "\n".join(notes), fontsize=8, va="bottom", color="dimgray",
                  gid="importance-notes")
-        fig.get_layout_engine().set(rect=(0, 0.04 * len(notes) + 0.02, 1, 1 - 0.04 * len(notes) - 0.02))
+        bottom = notes_height / (5 + notes_height)
+        fig.get_layout_engine().set(rect=(0, bottom, 1, 1 - bottom))
     fig.suptitle("Which knobs matter most (optuna PED-ANOVA over the measured trials)")
     return fig
 
@@ -626,6 +654,7 @@ def plot_importances(studies: list[StudyData]):
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
     ended (ok, over budget, each failure class, duplicate, forbidden); counts in the legend."""
+    studies = _charted(studies)
     fig = _figure(10, 1.5 + 0.8 * len(studies))
     ax = fig.add_subplot()
     total: dict[str, int] = {}
@@ -643,7 +672,7 @@ def plot_timeline(studies: list[StudyData]):
 
     handles = [Patch(color=CLASS_COLORS[k], label=f"{k} ({total[k]})") for k in CLASS_COLORS if k in total]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
-    ticks = [f"{s.label}\n{len(s.timeline)} trials, "
+    ticks = [f"{s.label}\n{_count(len(s.timeline), 'trial')}, "
              f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
     ax.set_yticks(range(len(studies)), ticks, fontsize=8)
     ax.invert_yaxis()
@@ -656,6 +685,7 @@ def plot_timeline(studies: list[StudyData]):
 def plot_images(studies: list[StudyData]):
     """The output images of the chosen configurations, where the trials kept them; None when
     no study has any."""
+    studies = _charted(studies)
     rows = [(s, chosen_images(s)) for s in studies]
     rows = [(s, imgs) for s, imgs in rows if imgs]
     if not rows:
@@ -690,8 +720,11 @@ CHARTS = {
 
 
 def figures(studies: list[StudyData]) -> dict:
-    """Every chart by name (images only when some trial kept one)."""
+    """Every chart by name (images only when some trial kept one); none when no study has a
+    measurement."""
     out = {}
+    if not _charted(studies):
+        return out
     for name, plot in CHARTS.items():
         fig = plot(studies)
         if fig is not None:
@@ -707,7 +740,7 @@ def overview_html(studies: list[StudyData]) -> str:
         items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "
                      f"{html.escape(str(s.storage))} ({s.source}); {html.escape(counts)}</li>")
     notes = [n for s in studies for n in s.notes]
-    notes += [note for s in studies for note in [knob_importance(s, "latency")[1]] if note]
+    notes += [note for s in _charted(studies) for note in [knob_importance(s, "latency")[1]] if note]
     note_html = "".join(f"<li>{html.escape(n)}</li>" for n in dict.fromkeys(notes))
     return f"<ul>{''.join(items)}</ul>" + (f"<p>Notes:</p><ul>{note_html}</ul>" if note_html else "")
 
@@ -737,6 +770,8 @@ def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "au
         sections.append(f'<h2>{html.escape(name.replace("_", " "))}</h2>\n<img src="{path.name}" alt="{name}">')
         if name == "speedups":
             sections.append(best_table_html(studies))
+    if not written:  # no study measured anything: no charts, the table says so
+        sections.append(best_table_html(studies))
     page = (
         f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}"
@@ -824,8 +859,8 @@ def main(argv: list[str]) -> int:
     for s in studies:
         for note in s.notes:
             print(f"note: {note}")
-    print(f"compared {len(studies)} studies: " + ", ".join(s.label for s in studies))
-    print(f"wrote {len(written) - 1} charts and {written[-1]}")
+    print(f"compared {_count(len(studies), 'study', 'studies')}: " + ", ".join(s.label for s in studies))
+    print(f"wrote {_count(len(written) - 1, 'chart')} and {written[-1]}")
     return 0
 
 

@@ -70,6 +70,44 @@ def test_choose_takes_the_fastest_point_that_fits(written):
         profile.choose(GiB // 2)
 
 
+def test_choose_takes_a_size_as_the_cli_does(written):
+    # "6GB" was a TypeError deep in parse_margin (can't multiply sequence by non-int)
+    profile = load_profile(written)
+    assert profile.choose("2GB")["trial"] == profile.choose("2048MiB")["trial"] == 5
+    assert profile.choose("6GB")["trial"] == profile.choose(6 * GiB)["trial"] == 3
+    assert profile.choose(2.5 * GiB)["trial"] == 5  # bytes as a float: 2.5 * 2**30
+    assert profile.fits(3 * GiB, "3GB") and not profile.fits(3 * GiB, "2GB")
+    with pytest.raises(ProfileError, match="no configuration in this profile fits 512.00 MiB"):
+        profile.choose("512MB")
+
+
+@pytest.mark.parametrize("budget, message", [
+    (-1, "budget_bytes must be a positive number of bytes or a size such as '6GB', not -1"),
+    (0, "not 0"),
+    (True, "not True"),
+    (float("nan"), "not nan"),
+    ("0", "budget_bytes: '0' is not a positive memory size"),
+    ("-1GB", "budget_bytes: '-1GB' is not a positive memory size"),
+    ("lots", "budget_bytes: 'lots' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)"),
+])
+def test_a_budget_that_is_not_a_positive_size_is_one_line(written, budget, message):
+    # -1 said "no configuration in this profile fits -1 B", as if a smaller config might
+    profile = load_profile(written)
+    for call in (profile.choose, lambda b: profile.load_pipeline(budget_bytes=b)):
+        with pytest.raises(ProfileError) as exc:
+            call(budget)
+        assert message in str(exc.value) and "\n" not in str(exc.value), exc.value
+
+
+def test_load_pipeline_takes_a_size(written):
+    import torch
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+
+    pipe = load_profile(written).load_pipeline(budget_bytes="2GB")  # trial 5: bfloat16, sliced attention
+    assert pipe.unet.dtype == torch.bfloat16
+    assert all(isinstance(p, SlicedAttnProcessor) for p in pipe.unet.attn_processors.values())
+
+
 def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
     """A study may keep a simpler config over a front point with a lower median its trials did not
     back (study.choose_best): a budget the pick fits gets the pick, not that point."""
@@ -121,6 +159,43 @@ def test_a_different_library_version_warns(tmp_path):
         load_profile(path)
 
 
+def test_a_saved_profile_has_no_yaml_aliases(written):
+    # safe_dump wrote "&id001" and "*id001" for an object the document holds twice (build()
+    # shares a config between the best and its front point; document() shares the whole point)
+    doc = document()
+    assert doc["best"] is doc["pareto"][1]
+    text = written.read_text()
+    assert "&id" not in text and "*id" not in text
+    assert text.count("trial: 3") == 2  # written out in both places
+    assert load_profile(written).data == doc
+
+
+def test_repr_is_one_short_line(written):
+    # the dataclass repr printed the whole document
+    assert repr(load_profile(written)) == f"<Profile tiny-sd15, budget 4.00 GiB, cpu, best 0.100 s, {written}>"
+    assert repr(profile_io.Profile({})) == "<Profile ?, budget ?, ?, best ?, no file>"
+
+
+def test_sizes_in_a_mismatch_warning_are_human(tmp_path):
+    # "memory_bytes: profiled on 25276510208, ..."
+    here = fingerprint.machine("cpu")["memory_bytes"]
+    doc = document()
+    doc["machine"]["memory_bytes"] = here + 3 * GiB
+    path = profile_io.save(doc, tmp_path / "p.yaml")
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        load_profile(path)
+    (line,) = [str(w.message) for w in caught if "memory_bytes" in str(w.message)]
+    from autotune.sizes import format_size
+
+    assert line == (f"profile {path}: memory_bytes: profiled on {format_size(here + 3 * GiB)}, "
+                    f"here {format_size(here)}")
+    assert "GiB" in line and str(here) not in line
+    # a size the other side rounds to the same text keeps its bytes, or the line would say nothing
+    assert fingerprint.differences({"memory_bytes": 25276510208}, {"memory_bytes": 25276510000},
+                                   ["memory_bytes"]) == [
+        "memory_bytes: profiled on 23.54 GiB (25276510208 bytes), here 23.54 GiB (25276510000 bytes)"]
+
+
 def test_the_same_machine_does_not_warn(written):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProfileMismatchWarning)
@@ -131,10 +206,11 @@ def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
     if fingerprint.cuda_available():
         pytest.skip("this machine has a GPU")
     doc = document()
-    doc["machine"] = {**doc["machine"], "device": "cuda", "name": "NVIDIA H100"}
+    doc["machine"] = {**doc["machine"], "device": "cuda", "name": "NVIDIA H100", "memory_bytes": 25276510208}
     path = profile_io.save(doc, tmp_path / "gpu.yaml")
-    with pytest.warns(ProfileMismatchWarning):
+    with pytest.warns(ProfileMismatchWarning) as caught:
         profile = load_profile(path)
+    assert f"profile {path}: memory_bytes: profiled on 23.54 GiB, unknown here" in [str(w.message) for w in caught]
     with pytest.raises(ProfileError, match="device='cpu'"):
         profile.load_pipeline()
 

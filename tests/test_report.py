@@ -9,6 +9,7 @@ import json
 import re
 import statistics
 import textwrap
+import warnings
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -295,7 +296,7 @@ def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     (study,) = report.load(url)  # a bare URL: every study in it
     assert report.plot_images([study]) is None
     importances, note = report.knob_importance(study)
-    assert importances == {} and "2 successful trial(s)" in note
+    assert importances == {} and "2 successful trials;" in note
     assert report.write_report([study], tmp_path / "out")[-1].name == "index.html"
 
 
@@ -335,3 +336,66 @@ def test_studies_autotune_did_not_make_are_left_out_or_refused(tmp_path):
     optuna.create_study(study_name="plain", storage=bare)
     with pytest.raises(report.ReportError, match="holds no study made by autotune"):
         report.load(bare)
+
+
+def stopped_study(url, name, budget_bytes):
+    """A study as Ctrl-C leaves it before its first trial ended: the request, the interrupted
+    trial failed, its config queued again."""
+    study = optuna.create_study(study_name=name, storage=url)
+    study.set_user_attr("request", {"model": {"name": "stopped-model"}, "workload": {"height": 64, "width": 64,
+                        "steps": 1, "batch_size": 1}, "budget_bytes": budget_bytes, "device": "cpu"})
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    failed = optuna.trial.create_trial(params={"dtype": "float32"}, distributions=dist, state=TrialState.FAIL,
+                                       user_attrs={"baseline": True})
+    failed.datetime_start, failed.datetime_complete = datetime(2026, 1, 1, 12), datetime(2026, 1, 1, 12, 0, 5)
+    study.add_trial(failed)
+    study.enqueue_trial({"dtype": "float32"}, user_attrs={"baseline": True})
+
+
+def drawn_text(fig) -> str:
+    """Every gid, text, tick label and legend entry a figure holds, as one string."""
+    out = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        out += [a.get_gid() or "" for a in [*ax.lines, *ax.collections, *ax.patches, *ax.texts, *ax.images]]
+        out += [t.get_text() for t in [*ax.texts, *ax.get_yticklabels(), *ax.get_xticklabels()]]
+        if ax.get_legend():
+            out += [t.get_text() for t in ax.get_legend().get_texts()]
+    return "\n".join(out)
+
+
+def test_studies_stopped_before_a_measurement_are_a_row_not_chart_clutter(tmp_path):
+    # they said "nothing fits the budget", were "a profile without its study" in the notes, and
+    # two dozen of them buried the charts (matplotlib: "axes sizes collapsed to zero")
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    for i in range(20):
+        stopped_study(url, f"stopped-{i}", (i + 2) * 2**30)
+    studies = report.load(url)
+    assert [s.measured for s in studies] == [True] + [False] * 20
+    rows = report.best_table(studies)
+    assert rows[0]["configuration"] == "dtype=bfloat16"
+    assert {r["configuration"] for r in rows[1:]} == {"no trials measured"}
+    for name, fig in report.figures(studies).items():
+        assert "stopped-model" not in drawn_text(fig), name
+        assert "tiny-sdxl 1GB cpu" in drawn_text(fig), name
+    assert "stopped-model" in report.knob_importance(studies[1])[1]
+    assert "profile" not in report.knob_importance(studies[1])[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report.write_report(studies, tmp_path / "out")
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert "stopped-0: no trial completed a measurement (left out of the charts)" in index
+    assert "profile without its study" not in index
+
+
+def test_a_storage_with_only_a_stopped_study_reports_it_without_charts(tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    stopped_study(url, "stopped", 2**30)
+    proc = run_cli("report", url, "--out", "out", cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert "compared 1 study: stopped-model 1GB cpu" in proc.stdout  # not "1 studies"
+    assert "wrote 0 charts" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]
+    assert "<td>no trials measured</td>" in (tmp_path / "out" / "index.html").read_text()
