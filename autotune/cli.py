@@ -750,7 +750,9 @@ def _export(argv: list[str]) -> int:
         hint = "" if args.storage or args.workdir else " (tuned with --workdir? give the same here)"
         raise AutotuneError(f"no study {args.study_name!r}: {exc}{hint}") from None
     except KeyError:
-        raise AutotuneError(f"no study {args.study_name!r} in {storage}") from None
+        names = optuna.get_all_study_names(open_storage(storage, existing=True))
+        held = f"it holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "it holds none"
+        raise AutotuneError(f"no study {args.study_name!r} in {storage} ({held})") from None
     request = request_of(study, storage)
     outcome = summarize(study, "exported from the stored study", guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
@@ -826,8 +828,10 @@ def _verify(out, profile, args) -> int:
     fits = profile.fits(peak) if result["status"] == worker.OK else None
     console.print_verification(out, profile, result, fits=fits, margin_bytes=profile.margin_bytes())
     if fits is None:
-        print(f"autotune: error: the replay failed: {result['status']}: {result.get('error', '')}",
-              file=sys.stderr)
+        # "error" says nothing the message does not; other statuses (timeout, crashed) do
+        said = result.get("error", "") if result["status"] == worker.ERROR else \
+            f"{result['status']}: {result.get('error', '')}"
+        print(f"autotune: error: the replay failed: {said}", file=sys.stderr)
         return EXIT_ERROR
     if not fits:
         print(f"autotune: error: the replayed peak memory ({format_size(peak)}) plus the profile's "

@@ -38,10 +38,15 @@ def _when_text(when: dict) -> str:
 def print_space(space, target, out: Console | None = None) -> None:
     out = out or terminal()
     table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
-    table.add_column("knob")
-    table.add_column("searched")
-    table.add_column("help")
     searched = {d.name: d for d in space.dimensions}
+    # Names are copied into space files: never cut short ("…"); the searched column is at least as
+    # wide as the longest choice, and long help words fold onto the next line.
+    longest = max((len(str(c)) + 1 for d in space.dimensions for c in d.choices), default=8)
+    names = max(map(len, CATALOGUE))
+    table.add_column("knob", no_wrap=True)
+    table.add_column("searched", min_width=longest, overflow="fold")
+    # what the others leave (less borders and padding): rich alone let the table overflow the width
+    table.add_column("help", overflow="fold", max_width=max(12, out.width - names - longest - 10))
     for name, knob in CATALOGUE.items():
         dim = searched.get(name)
         text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default}"
@@ -66,7 +71,7 @@ def print_header(out: Console, request, space) -> None:
     w = request.workload
     out.print(
         f"autotune: {request.spec.name} ({request.spec.kind}) on {request.target.device}, "
-        f"{w.height}x{w.width}, {w.steps} steps, batch {w.batch_size}; budget "
+        f"{w.height}x{w.width}, {w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}; budget "
         f"{format_size(request.budget_bytes)} with a margin of {request.margin} "
         f"({format_size(request.margin_bytes)}); {request.threads} CPU threads; study {request.study_name}"
     )
@@ -210,7 +215,9 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
     peak = result.get("peak_memory_bytes") or 0
     out.print(f"budget {format_size(budget)}, margin {profile.margin}: replayed peak {format_size(peak)} "
               + ("fits" if fits else "DOES NOT FIT")
-              + f" ({format_size(budget - margin_bytes - peak)} left beyond the margin)" * fits)
+              # headroom as the profile counts it (budget - peak), the margin part of it
+              + f" (headroom {format_size(budget - peak)}: the margin and "
+                f"{format_size(budget - margin_bytes - peak)} more)" * fits)
 
 
 def print_profile(out: Console, profile) -> None:
@@ -218,7 +225,7 @@ def print_profile(out: Console, profile) -> None:
     m, w = profile.model, profile.workload  # with their defaults (batch_size may be left out)
     out.print(f"profile {profile.path}")
     out.print(f"  model: {m.name} ({m.kind}, {m.family})  workload: {w.height}x{w.width}, "
-              f"{w.steps} steps, batch {w.batch_size}")
+              f"{w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}")
     budget = d["budget"]
     out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
               f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"

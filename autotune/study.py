@@ -815,6 +815,11 @@ def changes(config: Config) -> int:
     return len(changed(config))
 
 
+def _knobs_changed(config: Config) -> str:
+    n = changes(config)
+    return f"{n} knob{'s' if n != 1 else ''} changed"
+
+
 def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | None]:
     """The study's pick, and why when it is not the lowest median.
 
@@ -836,8 +841,8 @@ def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | 
     if pick is fastest:
         return pick, None
     return pick, (
-        f"kept trial {pick.number} ({changes(pick.config)} knobs changed, median {pick.latency_s:.3f} s) "
-        f"over trial {fastest.number} ({changes(fastest.config)} knobs changed, median {fastest.latency_s:.3f} s, "
+        f"kept trial {pick.number} ({_knobs_changed(pick.config)}, median {pick.latency_s:.3f} s) "
+        f"over trial {fastest.number} ({_knobs_changed(fastest.config)}, median {fastest.latency_s:.3f} s, "
         f"slowest trial {max(fastest.latencies_s):.3f} s): the difference is within the faster one's own spread"
     )
 

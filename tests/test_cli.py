@@ -108,6 +108,15 @@ def test_a_run_that_measured_nothing_is_an_error_not_a_budget_too_small(cli):
     assert "no trial completed a measurement (--timeout 0.001 s reached)" in one_line_error(proc)
 
 
+def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
+    import optuna
+
+    for name in ("sdxl-12", "sdxl-8"):
+        optuna.create_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
+    line = one_line_error(cli("export", "--study-name", "sdxl-6", "--storage", "sqlite:///s.db"))
+    assert "no study 'sdxl-6' in sqlite:///s.db (it holds sdxl-12, sdxl-8)" in line
+
+
 def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
     import optuna
 
@@ -144,6 +153,22 @@ def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
     out = proc.stdout
     assert "dtype" in out and "bfloat16" in out and "sliced" in out
     assert "offload=model: CPU offload needs an accelerator" in out
+
+
+def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
+    """Names are copied from it into space files: an ellipsis in one would make a wrong value."""
+    import subprocess
+
+    from autotune.space import SHIPPED_DIR, SearchSpace
+
+    proc = subprocess.run([sys.executable, "-m", "autotune", "--model", "sdxl", "--random-weights", "--list-knobs"],
+                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, COLUMNS="80"))
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in proc.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert max(map(len, table)) <= 80 and "…" not in proc.stdout  # the lines below it wrap as text
+    space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml")
+    listed = [str(c) for d in space.dimensions for c in d.choices if str(c) in proc.stdout]
+    assert "max-autotune-no-cudagraphs" in listed and "group-leaf-stream" in proc.stdout
 
 
 def stored_study(tmp_path):

@@ -59,7 +59,7 @@ def _fp16_fix_unavailable(value, target):
 
     if not isinstance(try_to_load_from_cache(SDXL_VAE_FP16_FIX, "config.json", cache_dir=_hub_cache()), str):
         return (f"{SDXL_VAE_FP16_FIX} is not in the local Hugging Face cache (nothing is downloaded; "
-                f"`huggingface-cli download {SDXL_VAE_FP16_FIX}` makes it a choice)")
+                f"`hf download {SDXL_VAE_FP16_FIX}` makes it a choice)")
     return None
 
 
