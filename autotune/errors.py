@@ -43,6 +43,30 @@ def why_unwritable(folder) -> str | None:
     return None
 
 
+def _unique_key_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    without a word, so a knob listed twice in a space file (or a field in a hand-edited profile)
+    would quietly lose the first. The YAML spec requires keys to be unique."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the safe loader's own "unhashable key" error says it below
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
 def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     """The data of the YAML file `path` (a `what`: "profile", "search space"), read with the safe
     loader; each way the file can fail is `error` with one line that names it (invalid YAML
@@ -60,7 +84,7 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     except UnicodeDecodeError:
         raise error(f"{what} {path}: not UTF-8 text (a binary or foreign file?)") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
@@ -69,4 +93,7 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
             name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
             raise error(f"{what} {path}: it uses the tag {name}{at}, which safe loading refuses "
                         "(it builds no Python objects or custom types): write plain values") from None
+        twice = re.match(r"the key .* appears twice in one mapping", str(getattr(exc, "problem", "")))
+        if twice:
+            raise error(f"{what} {path}: {twice.group(0)}{at}: keep one") from None
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None

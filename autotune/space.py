@@ -266,7 +266,10 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
                              f"other, which may extend another), not {parent!r:.60}")
         parent = path.parent / parent
         if not parent.exists():  # named with the file that extends it: the user may not know of it
-            raise SpaceError(f"search space {path}: it extends {parent}: no such file")
+            shipped = f"; the shipped spaces are in {SHIPPED_DIR}" if (SHIPPED_DIR / data["extends"]).exists() \
+                and parent.resolve() != (SHIPPED_DIR / data["extends"]).resolve() else ""
+            raise SpaceError(f"search space {path}: it extends {parent}: no such file (named relative "
+                             f"to the file that extends it{shipped})")
         knobs, forbid, seeds = _read_layers(parent, seen + (path.resolve(),))
     # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
     own = {} if data.get("knobs") is None else data["knobs"]

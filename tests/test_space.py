@@ -151,6 +151,10 @@ def test_known_conflicts_are_forbidden():
         ("extends: missing.yaml\n", "space.yaml: it extends"),  # the file that names it, not only the missing one
         # a boolean knob's choices are booleans: 1 is not True
         ("knobs:\n  channels_last: [1]\n", "knob 'channels_last' has no choice 1 (choices: False, True)"),
+        ("knobs:\n  channels_last: ['true']\n", "has no choice 'true' (choices: False, True; write true without quotes)"),
+        # PyYAML keeps the last of two equal keys without a word: the first list would be lost
+        ("knobs:\n  dtype: [float32]\n  dtype: [bfloat16]\n", "the key 'dtype' appears twice in one mapping at line 3"),
+        ("extends: tiny-base.yaml\n", "named relative to the file that extends it; the shipped spaces are in"),
         ("knobs:\n  dtype: [float32, bfloat16]\nforbid:\n  - {channels_last: 0}\n",
          "knob 'channels_last' has no choice 0"),
         ("knobs:\n  dtype: !!python/object/apply:os.getpid []\n",

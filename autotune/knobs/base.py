@@ -83,7 +83,11 @@ class Knob:
         # its choices, type and all: `in` alone takes 1 for True and 0 for False (YAML's 1 is an int)
         if not any(type(value) is type(choice) and value == choice for choice in self.choices):
             known = ", ".join(str(c) for c in self.choices)
-            raise ValueError(f"knob '{self.name}' has no choice {value!r} (choices: {known})")
+            # YAML reads "true" in quotes as text: the likely slip behind a boolean knob's 'true'
+            quoted = isinstance(value, str) and any(type(c) is not str and str(c).lower() == value.lower()
+                                                    for c in self.choices)
+            hint = f"; write {value} without quotes" if quoted else ""
+            raise ValueError(f"knob '{self.name}' has no choice {value!r} (choices: {known}{hint})")
 
 
 def package_missing(name: str) -> str | None:
