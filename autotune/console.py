@@ -65,6 +65,10 @@ def print_space(space, target, out: Console | None = None) -> None:
     if seeds:
         out.print(escape("seeds, measured first after the baseline: "
                          + "; ".join(config_changes(c) for c in seeds)))
+    if len(seeds) < len(space.seeds):  # said, not silent: a seed naming what is not searched here
+        out.print(f"{len(space.seeds) - len(seeds)} of the space's {len(space.seeds)} seeds left out: "
+                  "reduced to choices searched here, they became the baseline, a forbidden config or "
+                  "another seed")
 
 
 def print_header(out: Console, request, space) -> None:

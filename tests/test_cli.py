@@ -155,6 +155,14 @@ def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
     assert "offload=model: CPU offload needs an accelerator" in out
 
 
+def test_list_knobs_says_how_many_seeds_were_left_out(cli, tmp_path):
+    (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\n"
+                                     "seeds:\n  - {channels_last: true}\n  - {dtype: bfloat16}\n")
+    out = cli("--model", "tiny-sd15", "--space", "s.yaml", "--list-knobs").stdout
+    assert "seeds, measured first after the baseline: dtype=bfloat16" in out
+    assert "1 of the space's 2 seeds left out" in out  # channels_last is not searched: the baseline
+
+
 def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
     """Names are copied from it into space files: an ellipsis in one would make a wrong value."""
     import subprocess
