@@ -24,9 +24,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from . import worker
 
 LAUNCHERS = ("fork", "spawn")
+
+# Host memory kept free while a trial runs: a trial that would take it (a batch far beyond the
+# machine) is stopped by the parent as out_of_memory, before the kernel's OOM killer picks a
+# process, which may be autotune itself or anything else on the machine. Checked every
+# GUARD_EVERY_S, finer than the tick: host memory can fill within a second.
+HOST_RESERVE_BYTES = min(2**30, psutil.virtual_memory().total // 20)
+GUARD_EVERY_S = 0.1
 
 
 @contextlib.contextmanager
@@ -116,6 +125,15 @@ def _kill_group(child) -> None:
     child.wait(None)
 
 
+def _group_rss(pid: int) -> int:
+    """Resident memory of a trial and its children (a compile worker pool, say)."""
+    try:
+        process = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
 def _log_tail(path: Path, chars: int = 2000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -146,13 +164,28 @@ def run_trial(
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)
     try:
         deadline = started + timeout_s
+        next_tick = started + tick_every_s
         while True:
             # never past the deadline: a --trial-timeout under one tick is held too
-            returncode = child.wait(max(0.0, min(tick_every_s, deadline - time.perf_counter())))
+            returncode = child.wait(max(0.0, min(GUARD_EVERY_S, deadline - time.perf_counter())))
             if returncode is not None:
                 break
-            if tick:
+            available = psutil.virtual_memory().available
+            if available < HOST_RESERVE_BYTES:
+                held = _group_rss(child.pid)
+                _kill_group(child)
+                return {
+                    "status": worker.OUT_OF_MEMORY,
+                    "error": f"host memory nearly exhausted ({available // 2**20} MiB available, the trial "
+                             f"holding {held // 2**20} MiB): stopped before the kernel's out-of-memory killer",
+                    "peak_memory_bytes": held or None,  # at least this much: it was still growing
+                    "wall_s": time.perf_counter() - started,
+                    "launcher": launcher,
+                    "log": str(log_path),
+                }
+            if tick and time.perf_counter() >= next_tick:
                 tick()
+                next_tick += tick_every_s
             if time.perf_counter() >= deadline:
                 _kill_group(child)
                 return {

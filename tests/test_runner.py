@@ -72,6 +72,19 @@ def test_a_trial_over_its_time_limit_is_killed(tmp_path, launcher):
     assert not trial_processes()
 
 
+@LAUNCHERS
+def test_a_trial_that_would_exhaust_host_memory_is_stopped_as_out_of_memory(tmp_path, launcher, monkeypatch):
+    # The reserve set above what this machine has free: the guard's first look finds host memory
+    # short, as it would under a trial filling it (a real child, killed for real).
+    monkeypatch.setattr(runner, "HOST_RESERVE_BYTES", psutil.virtual_memory().total)
+    ticks = []
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, tick=lambda: ticks.append(1),
+                              launcher=launcher)
+    assert result["status"] == worker.OUT_OF_MEMORY
+    assert result["error"].startswith("host memory nearly exhausted") and "out-of-memory killer" in result["error"]
+    assert result["wall_s"] < 30 and not trial_processes()
+
+
 PARENT = """
 import sys
 from dataclasses import replace
