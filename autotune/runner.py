@@ -148,10 +148,13 @@ def run_trial(
     tick: Callable[[], None] | None = None,
     tick_every_s: float = 1.0,
     launcher: str = "spawn",
+    stop_above_bytes: int | None = None,
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
-    (heartbeats, progress). On KeyboardInterrupt the child's process group is killed first."""
+    (heartbeats, progress). On KeyboardInterrupt the child's process group is killed first.
+    `stop_above_bytes`: a trial whose resident memory passes it is stopped as out_of_memory (on a
+    CPU, where the budget is host memory, a config far over it cannot fit whatever its speed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, log_path = (
         workdir / "request.json",
@@ -171,13 +174,18 @@ def run_trial(
             if returncode is not None:
                 break
             available = psutil.virtual_memory().available
-            if available < HOST_RESERVE_BYTES:
-                held = _group_rss(child.pid)
+            held = _group_rss(child.pid) if stop_above_bytes or available < HOST_RESERVE_BYTES else 0
+            if available < HOST_RESERVE_BYTES or (stop_above_bytes and held > stop_above_bytes):
                 _kill_group(child)
+                if available < HOST_RESERVE_BYTES:
+                    why = (f"host memory nearly exhausted ({available // 2**20} MiB available, the trial "
+                           f"holding {held // 2**20} MiB): stopped before the kernel's out-of-memory killer")
+                else:
+                    why = (f"the trial held {held // 2**20} MiB, past {stop_above_bytes // 2**20} MiB: "
+                           "stopped, as it cannot fit the budget")
                 return {
                     "status": worker.OUT_OF_MEMORY,
-                    "error": f"host memory nearly exhausted ({available // 2**20} MiB available, the trial "
-                             f"holding {held // 2**20} MiB): stopped before the kernel's out-of-memory killer",
+                    "error": why,
                     "peak_memory_bytes": held or None,  # at least this much: it was still growing
                     "wall_s": time.perf_counter() - started,
                     "launcher": launcher,

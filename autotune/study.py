@@ -330,8 +330,15 @@ def _count_by(values) -> dict:
 Measure = Callable[[dict, Path, Callable[[], None]], dict]
 
 
+# On a CPU a trial holding this many times the budget in host memory is stopped as out of memory:
+# it cannot fit, and a workload that large could run for hours. Not the reference calls, which
+# need not fit (the quality guard compares with their output).
+STOP_ABOVE_BUDGET = 2
+
+
 def measure_in_child(req: TuneRequest) -> Measure:
     def measure(request: dict, trial_dir: Path, tick: Callable[[], None]) -> dict:
+        cpu_trial = req.target.device == "cpu" and request.get("purpose") != "reference"
         return runner.run_trial(
             request,
             trial_dir,
@@ -339,6 +346,7 @@ def measure_in_child(req: TuneRequest) -> Measure:
             tick=tick,
             tick_every_s=1.0,
             launcher=req.launcher,
+            stop_above_bytes=STOP_ABOVE_BUDGET * req.budget_bytes if cpu_trial else None,
         )
 
     return measure
