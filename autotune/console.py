@@ -170,7 +170,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     configs = []
     for label, rec in rows:
         if rec is None or rec.latency_s is None:
-            table.add_row(label, *["-"] * 6)
+            # a failed trial's peak is where it stopped: at least that much (an out-of-memory one)
+            peak = f">= {format_size(rec.peak_memory_bytes)}" if rec and rec.peak_memory_bytes else "-"
+            table.add_row(label, "-", "-", peak, "-", "-", "-")
             configs.append(f"{label}: {rec.status if rec else 'not measured'}")
             continue
         speedup = f"{base.latency_s / rec.latency_s:.2f}x" if base and base.latency_s else "-"

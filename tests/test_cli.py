@@ -623,6 +623,20 @@ def test_a_model_that_does_not_load_stops_the_run_with_its_reason(cli, tmp_path,
         assert [t.user_attrs.get("baseline") for t in waiting] == [True]
 
 
+def test_the_summary_shows_where_an_out_of_memory_baseline_stopped():
+    from rich.console import Console
+
+    from autotune.console import print_summary
+    from autotune.study import StudyOutcome, TrialRecord
+
+    stopped = TrialRecord(0, {}, "out_of_memory", {"peak_memory_bytes": 4 * 2**30}, 2.0, baseline=True)
+    outcome = StudyOutcome(records=[stopped], stop_reason="done", baseline=stopped)
+    out = Console(record=True, width=120)
+    print_summary(out, outcome, 2 * 2**30)
+    text = out.export_text()
+    assert ">= 4.00 GiB" in text and "baseline: out_of_memory" in text
+
+
 def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_fit(tmp_path, capsys):
     from autotune import cli as cli_module
     from autotune.console import terminal
