@@ -397,6 +397,10 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError("--model is empty: name an alias (sdxl, tiny-sdxl, ...), a hub id or a folder")
     if args.no_profile and args.output:
         raise UsageError("--output names the profile, which --no-profile does not write: give one of them")
+    if any(a == "--max-calls" or a.startswith("--max-calls=") for a in argv) and args.max_calls < args.repeats:
+        # left at its default, --max-calls rises to --repeats; given, it is a contradiction
+        raise UsageError(f"--max-calls {args.max_calls} is below --repeats {args.repeats}: a trial makes at "
+                         "least --repeats timed calls")
     if args.gpus and args.device not in ("auto", "cuda"):
         raise UsageError(f"--gpus runs every worker on a GPU: --device {args.device} contradicts it")
     spec = resolve_model(args.model, random_weights=args.random_weights)

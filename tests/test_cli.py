@@ -64,6 +64,7 @@ def one_line_error(proc):
         (["--study-name", "", "--trials", "1"], "--study-name is empty"),
         (["--no-profile", "-o", "p.yaml"], "which --no-profile does not write"),
         (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),
+        (["--max-calls", "1", "--repeats", "3"], "--max-calls 1 is below --repeats 3"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
