@@ -125,11 +125,11 @@ def _kill_group(child) -> None:
     child.wait(None)
 
 
-def _group_rss(pid: int) -> int:
-    """Resident memory of a trial and its children (a compile worker pool, say)."""
+def _rss(pid: int) -> int:
+    """The trial process's resident memory, what its own peak (VmHWM) counts: read every
+    GUARD_EVERY_S, so one /proc read (its children would mean scanning every process)."""
     try:
-        process = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+        return psutil.Process(pid).memory_info().rss
     except psutil.Error:
         return 0
 
@@ -174,7 +174,7 @@ def run_trial(
             if returncode is not None:
                 break
             available = psutil.virtual_memory().available
-            held = _group_rss(child.pid) if stop_above_bytes or available < HOST_RESERVE_BYTES else 0
+            held = _rss(child.pid) if stop_above_bytes or available < HOST_RESERVE_BYTES else 0
             if available < HOST_RESERVE_BYTES or (stop_above_bytes and held > stop_above_bytes):
                 _kill_group(child)
                 if available < HOST_RESERVE_BYTES:
