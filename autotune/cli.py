@@ -114,16 +114,12 @@ def _sampler_seed(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from .sizes import parse_size
+    from .sizes import parse_budget
 
     try:
-        size = parse_size(text)
+        return parse_budget(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if re.fullmatch(r"\s*[\d.]+\s*", text):  # "8" would be 8 bytes: a whole search for nothing
-        raise argparse.ArgumentTypeError(f"'{text}' has no unit: did you mean {text.strip()}GB? "
-                                         "(examples: 8GB, 7.5GiB, 8000MiB; B for bytes)")
-    return size
 
 
 def measurement_defaults() -> dict:

@@ -25,7 +25,7 @@ from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
-from .sizes import format_size, parse_margin, parse_size
+from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -229,7 +229,7 @@ class Profile:
             return self.budget_bytes
         if isinstance(budget_bytes, str):
             try:
-                return parse_size(budget_bytes)
+                return parse_budget(budget_bytes)  # as --vram reads it: "6" is no budget
             except ValueError as exc:
                 raise ProfileError(f"budget_bytes: {exc}") from None
         if not _is_number(budget_bytes) or budget_bytes < 1:

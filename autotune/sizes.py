@@ -24,6 +24,16 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_budget(text: str) -> int:
+    """A memory budget: a size with its unit. A bare number would be bytes ("8" is 8 B), which
+    no one means for a budget: a whole search for nothing, so it is refused with the likely unit."""
+    size = parse_size(text)
+    if re.fullmatch(r"\s*[\d.]+\s*", str(text)):
+        raise ValueError(f"'{text}' has no unit: did you mean {str(text).strip()}GB? "
+                         "(examples: 8GB, 7.5GiB, 8000MiB; B for bytes)")
+    return size
+
+
 def parse_margin(text: str, budget: int) -> int:
     """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0")."""
     text = str(text).strip()

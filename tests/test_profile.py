@@ -89,6 +89,7 @@ def test_choose_takes_a_size_as_the_cli_does(written):
     ("0", "budget_bytes: '0' is not a positive memory size"),
     ("-1GB", "budget_bytes: '-1GB' is not a positive memory size"),
     ("lots", "budget_bytes: 'lots' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)"),
+    ("6", "budget_bytes: '6' has no unit: did you mean 6GB?"),  # as --vram reads it, not 6 bytes
 ])
 def test_a_budget_that_is_not_a_positive_size_is_one_line(written, budget, message):
     # -1 said "no configuration in this profile fits -1 B", as if a smaller config might

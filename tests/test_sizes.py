@@ -1,6 +1,6 @@
 import pytest
 
-from autotune.sizes import format_size, parse_margin, parse_size, short_size
+from autotune.sizes import format_size, parse_budget, parse_margin, parse_size, short_size
 
 
 @pytest.mark.parametrize(
@@ -65,3 +65,9 @@ def test_margin_is_a_share_of_the_budget_or_a_size(text, expected):
 def test_rejects_bad_margins(text):
     with pytest.raises(ValueError, match="margin"):
         parse_margin(text, 2**30)
+
+
+def test_a_budget_needs_its_unit():
+    assert parse_budget("8GB") == 8 * 2**30 and parse_budget("1024B") == 1024
+    with pytest.raises(ValueError, match="'8' has no unit: did you mean 8GB"):
+        parse_budget("8")
