@@ -385,7 +385,7 @@ def _tune(args, argv: list[str]) -> int:
     from .runner import default_launcher
     import torch
 
-    from .sizes import format_size, parse_margin, short_size
+    from .sizes import format_size, parse_margin
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
@@ -440,7 +440,7 @@ def _tune(args, argv: list[str]) -> int:
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
-    output = args.output or Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
+    output = args.output or default_profile_path(spec, budget)
     if not args.no_profile:
         # The profile is written after the search: a path that takes no file fails now, not then.
         from .profile import check_writable
@@ -497,6 +497,13 @@ def _check_image_size(spec, workload) -> None:
             near = f"{lower} or {lower + multiple}" if lower else str(multiple)
             raise UsageError(f"--{name} {value}: {spec.name} ({spec.family}) takes multiples of "
                              f"{multiple} pixels, such as {near}")
+
+
+def default_profile_path(spec, budget: int) -> Path:
+    """MODEL-BUDGET.yaml in the current folder, for tune and export alike."""
+    from .sizes import short_size
+
+    return Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
 
 
 def _check_default_output_is_this_studys(output: Path, study_name: str) -> None:
@@ -559,8 +566,8 @@ def _write_profile(out, request, outcome, output: Path) -> int:
 
     if outcome.best is None:
         ran = [r for r in outcome.records if r.status == OK]
-        out_of_memory = [r for r in outcome.records if r.status == OUT_OF_MEMORY]
-        if not ran and not out_of_memory:
+        smallest = outcome.smallest_peak_bytes
+        if not ran and not any(r.status == OUT_OF_MEMORY for r in outcome.records):
             # nothing ran, and not for lack of memory: not a budget too small (exit 3)
             if outcome.records:
                 first = outcome.records[0]
@@ -570,8 +577,6 @@ def _write_profile(out, request, outcome, output: Path) -> int:
                 why = f"no trial completed a measurement ({outcome.stop_reason})"
             print(f"autotune: error: {why}; no profile written", file=sys.stderr)
             return EXIT_ERROR
-        # the peaks of what ran, or ran out: a failure's peak is wherever it stopped
-        smallest = min((r.peak_memory_bytes for r in ran + out_of_memory if r.peak_memory_bytes), default=None)
         seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
             "no trial recorded its peak memory"
         if smallest and request.margin_bytes:
@@ -730,7 +735,6 @@ def _export(argv: list[str]) -> int:
     from . import console
     from .study import request_of, summarize
     from .errors import AutotuneError
-    from .sizes import short_size
     import optuna
 
     p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
@@ -757,9 +761,10 @@ def _export(argv: list[str]) -> int:
     outcome = summarize(study, "exported from the stored study", guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
-    output = args.output or Path(f"{Path(request.spec.name).name}-{short_size(request.budget_bytes)}.yaml")
+    output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study
         _check_not_the_storage(output, storage)
+        _check_default_output_is_this_studys(output, args.study_name)
     return _write_profile(out, request, outcome, output)
 
 

@@ -165,7 +165,10 @@ class StudyOutcome:
 
     @property
     def smallest_peak_bytes(self) -> int | None:
-        peaks = [r.peak_memory_bytes for r in self.records if r.peak_memory_bytes]
+        """The smallest peak of the configs that ran or ran out of memory (where an out-of-memory
+        one stopped); a trial that failed otherwise, at load say, says nothing of the memory."""
+        peaks = [r.peak_memory_bytes for r in self.records
+                 if r.peak_memory_bytes and r.status in (worker.OK, worker.OUT_OF_MEMORY)]
         return min(peaks) if peaks else None
 
 

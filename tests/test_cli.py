@@ -516,6 +516,10 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
     assert (tmp_path / "tiny-sd15-2GB.yaml").read_text().split("study:")[1] == before.split("study:")[1]
     assert not list(tmp_path.glob("autotune-studies/trials/*72x64*"))  # nothing measured
     assert cli(*CHEAP, "--vram", "2GB", "--height", "72", "-o", "tall.yaml").returncode == 0
+    # export writes to the same default name: held to the same rule
+    tall = yaml.safe_load((tmp_path / "tall.yaml").read_text())["study"]["name"]
+    line = one_line_error(cli("export", "--study-name", tall))
+    assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run"), line
 
 
 # ---- verify ------------------------------------------------------------------------------------------
