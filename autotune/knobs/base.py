@@ -90,6 +90,27 @@ class Knob:
             raise ValueError(f"knob '{self.name}' has no choice {value!r} (choices: {known}{hint})")
 
 
+class ProcessSettings:
+    """Process-wide settings (torch's TF32 and cuDNN flags, inductor's config) that a knob sets
+    under both of its choices, so that a pipeline configured after another profile's gets the
+    state its own trial measured: False puts back what the process had before autotune first set
+    any. Read then, not at import: a serving process may set its own after importing autotune."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self._read = read
+        self._before: dict | None = None
+
+    @property
+    def touched(self) -> bool:
+        """Whether autotune has set any of them in this process."""
+        return self._before is not None
+
+    def before(self) -> dict:
+        if self._before is None:
+            self._before = self._read()
+        return self._before
+
+
 def package_missing(name: str) -> str | None:
     """A reason when an optional package is not importable (checked without importing it)."""
     if importlib.util.find_spec(name) is None:

@@ -14,7 +14,7 @@ TorchScript in favour of torch.compile/torch.export, which keep the module and t
 
 from __future__ import annotations
 
-from .base import Knob, denoiser, denoiser_class, nothing
+from .base import Knob, ProcessSettings, denoiser, denoiser_class, nothing
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # modes that capture CUDA graphs: the point of them is CUDA, and they cannot follow offload hooks
@@ -116,24 +116,29 @@ _GUIDE_FLAGS = {
 _INT8_FLAGS = {"force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}  # with dynamic int8
 
 
-_INDUCTOR_BEFORE: dict = {}  # the process's own values, read when autotune first sets them
+def _read_inductor_flags() -> dict:
+    from torch._inductor import config as inductor
+
+    # flags come and go between torch releases: those this torch has
+    return {name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS} if hasattr(inductor, name)}
+
+
+_INDUCTOR_FLAGS = ProcessSettings(_read_inductor_flags)
 
 
 def _apply_inductor_flags(pipe, value, target, config):
-    if not value and not _INDUCTOR_BEFORE:
+    if not value and not _INDUCTOR_FLAGS.touched:
         return  # none set by autotune in this process: nothing to put back (inductor not imported)
     from torch._inductor import config as inductor
 
-    if not _INDUCTOR_BEFORE:  # flags come and go between torch releases: those this torch has
-        _INDUCTOR_BEFORE.update({name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS}
-                                 if hasattr(inductor, name)})
-    flags = dict(_INDUCTOR_BEFORE)
+    before = _INDUCTOR_FLAGS.before()
+    flags = dict(before)
     if value:
         flags.update(_GUIDE_FLAGS)
         if config["quantize"] in ("int8dq", "int8dq-filtered"):
             flags.update(_INT8_FLAGS)
     for name, setting in flags.items():
-        if name in _INDUCTOR_BEFORE:
+        if name in before:
             setattr(inductor, name, setting)
 
 

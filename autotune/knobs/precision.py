@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Knob, needs_cuda
+from .base import Knob, ProcessSettings, needs_cuda
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,9 +87,7 @@ VAE_FP16_FIX = Knob(
 
 
 # The two flags below are process-global: a trial is its own process, and in serving, applying a
-# profile sets them for the whole process. Both choices set them, so that a pipeline configured
-# after another profile's gets the state its own trial measured: False puts back what the process
-# had before autotune set any (in a trial, torch's defaults).
+# profile sets them for the whole process, under both choices (base.ProcessSettings).
 def _matmul_precision() -> str | None:
     try:
         return torch.get_float32_matmul_precision()
@@ -97,8 +95,8 @@ def _matmul_precision() -> str | None:
         return None
 
 
-_BEFORE = {"matmul": _matmul_precision(), "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-           "cudnn_benchmark": torch.backends.cudnn.benchmark}
+_TORCH_FLAGS = ProcessSettings(lambda: {"matmul": _matmul_precision(), "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+                                        "cudnn_benchmark": torch.backends.cudnn.benchmark})
 
 
 def _apply_tf32(pipe, value, target, config):
@@ -106,12 +104,13 @@ def _apply_tf32(pipe, value, target, config):
     # setter would. Inductor still reads it (torch.get_float32_matmul_precision), and that getter
     # raises once the per-backend setter (torch.backends.cuda.matmul.fp32_precision = "tf32") has
     # been used: every max-autotune compile then fails (pytorch#196728).
-    matmul = "high" if value else _BEFORE["matmul"]
+    before = _TORCH_FLAGS.before()
+    matmul = "high" if value else before["matmul"]
     if matmul is not None:
         torch.set_float32_matmul_precision(matmul)
     # Convolutions run in TF32 by torch's default, in both choices (the float32 reference too):
     # True makes sure of it, False keeps what the process had.
-    torch.backends.cudnn.allow_tf32 = True if value else _BEFORE["cudnn_tf32"]
+    torch.backends.cudnn.allow_tf32 = True if value else before["cudnn_tf32"]
 
 
 TF32 = Knob(
@@ -128,7 +127,7 @@ TF32 = Knob(
 def _apply_cudnn_benchmark(pipe, value, target, config):
     # True: cuDNN times its convolution algorithms at the first call of each shape and keeps the
     # fastest (the warm-up pays for it).
-    torch.backends.cudnn.benchmark = True if value else _BEFORE["cudnn_benchmark"]
+    torch.backends.cudnn.benchmark = True if value else _TORCH_FLAGS.before()["cudnn_benchmark"]
 
 
 CUDNN_BENCHMARK = Knob(
