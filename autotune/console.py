@@ -71,11 +71,15 @@ def print_space(space, target, out: Console | None = None) -> None:
                   "another seed")
 
 
+def _workload_text(w) -> str:
+    return f"{w.height}x{w.width}, {w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}"
+
+
 def print_header(out: Console, request, space) -> None:
     w = request.workload
     out.print(
         f"autotune: {request.spec.name} ({request.spec.kind}) on {request.target.device}, "
-        f"{w.height}x{w.width}, {w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}; budget "
+        f"{_workload_text(w)}; budget "
         f"{format_size(request.budget_bytes)} with a margin of {request.margin} "
         f"({format_size(request.margin_bytes)}); {request.threads} CPU threads; study {request.study_name}"
     )
@@ -230,8 +234,7 @@ def print_profile(out: Console, profile) -> None:
     d = profile.data
     m, w = profile.model, profile.workload  # with their defaults (batch_size may be left out)
     out.print(f"profile {profile.path}")
-    out.print(f"  model: {m.name} ({m.kind}, {m.family})  workload: {w.height}x{w.width}, "
-              f"{w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}")
+    out.print(f"  model: {m.name} ({m.kind}, {m.family})  workload: {_workload_text(w)}")
     budget = d["budget"]
     out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
               f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
