@@ -406,8 +406,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
     if result["status"] != worker.OK:
         if did_not_load(result):
-            raise AutotuneError(f"the model did not load: {result.get('error', '').removeprefix('load: ')} "
-                                f"(log: {result.get('log')})")
+            raise model_did_not_load(result)
         if result["status"] == worker.TIMEOUT:
             hint = f"; the baseline needs longer than --trial-timeout {req.trial_timeout_s:g} s here: raise it"
         else:
@@ -445,6 +444,11 @@ def did_not_load(baseline_result: dict) -> bool:
     model folder, a missing component): not memory, which other configs may need less of."""
     return baseline_result.get("phase") == "load" and baseline_result["status"] not in (
         worker.OK, worker.OUT_OF_MEMORY, worker.TIMEOUT)
+
+
+def model_did_not_load(result: dict, where: str = "") -> AutotuneError:
+    return AutotuneError(f"the model did not load{where}: {result.get('error', '').removeprefix('load: ')} "
+                         f"(log: {result.get('log')})")
 
 
 def _request_attr(req: TuneRequest) -> dict:
@@ -758,8 +762,7 @@ def tune(
             # same command measures it first.
             study.tell(trial, state=TrialState.FAIL)
             study.enqueue_trial(trial.params, user_attrs={"baseline": True})
-            raise AutotuneError(f"the model did not load (the baseline, trial {trial.number}): "
-                                f"{result.get('error', '').removeprefix('load: ')} (log: {result.get('log')})")
+            raise model_did_not_load(result, f" (the baseline, trial {trial.number})")
         if min_psnr_db:
             result["quality"] = quality.assess(result, req.reference_path)
         if result.get("output"):  # the PNG stays; the full-precision array was only for assess
