@@ -604,6 +604,37 @@ def split_compile(config):
     return rest, {k: config[k] for k in COMPILE_KNOBS}
 
 
+def by_rest(configs):
+    """{key of a config without its compile knobs: (that config, [(pair, compile knobs), ...])}:
+    each group is applied and called once, its compile variants applied to that copy after."""
+    groups = {}
+    for pair, config in configs:
+        rest, compile_part = split_compile(config)
+        groups.setdefault(key(rest), (rest, []))[1].append((pair, compile_part))
+    return groups
+
+
+def compile_variant_problem(pipe, full, target, denoiser) -> str | None:
+    """Apply the compile knobs of `full` to a pipeline its other knobs were applied to (compile is
+    last in APPLY_ORDER: the same sequence); what they wrapped, wrong, or None. The pipeline is
+    unwrapped after, for the next variant."""
+    try:
+        for knob in APPLY_ORDER:
+            if knob.name in COMPILE_KNOBS:
+                knob.apply(pipe, full[knob.name], target, full)
+        model = getattr(pipe, denoiser)
+        if full["compile_regional"]:
+            if not any(m._compiled_call_impl is not None for m in model.modules()):
+                return "no block of the denoiser wrapped for regional compilation"
+        elif model._compiled_call_impl is None:
+            return "the denoiser not wrapped for compilation"
+        if (pipe.vae.decoder._compiled_call_impl is not None) != full["compile_vae"]:
+            return f"the VAE decoder wrapped or not against compile_vae={full['compile_vae']}"
+        return None
+    finally:
+        uncompile(pipe)
+
+
 def uncompile(pipe):
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
@@ -638,14 +669,9 @@ def test_every_pair_a_shipped_space_allows_applies_cleanly_or_is_ruled_out(famil
     for pair, config in configs.values():
         assert not any((k, v) in dropped for k, v in config.items() if v != CATALOGUE[k].default), pair
 
-    groups = {}
-    for pair, config in configs.values():
-        rest, compile_part = split_compile(config)
-        groups.setdefault(key(rest), (rest, []))[1].append((pair, compile_part))
     bases = {}
-    compile_knobs = [k for k in APPLY_ORDER if k.name in COMPILE_KNOBS]
     calls = compiled_checks = 0
-    for rest, variants in groups.values():
+    for rest, variants in by_rest(configs.values()).values():
         if not bases:
             bases["float32"] = build_configured(spec, {}, target)
         if rest["dtype"] not in bases:  # a cast copy: cheaper than building tiny-sdxl again
@@ -666,17 +692,8 @@ def test_every_pair_a_shipped_space_allows_applies_cleanly_or_is_ruled_out(famil
         for pair, compile_part in variants:
             if compile_part["compile"] == "none":
                 continue
-            full = {**rest, **compile_part}
-            for knob in compile_knobs:
-                knob.apply(pipe, full[knob.name], target, full)
-            model = getattr(pipe, denoiser)
-            if full["compile_regional"]:
-                assert any(m._compiled_call_impl is not None for m in model.modules()), pair
-            else:
-                assert model._compiled_call_impl is not None, pair
-            assert (pipe.vae.decoder._compiled_call_impl is not None) == full["compile_vae"], pair
+            assert compile_variant_problem(pipe, {**rest, **compile_part}, target, denoiser) is None, pair
             compiled_checks += 1
-            uncompile(pipe)
     elapsed = time.perf_counter() - started
     print(f"{family}: {len(configs)} allowed configs ({calls} called, {compiled_checks} compile checks), "
           f"{len(forbidden)} forbidden, {len(dropped)} choices dropped, {elapsed:.1f} s")

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from autotune.console import config_changes
-from autotune.knobs import APPLY_ORDER, CATALOGUE, Target, apply_config, build_configured, conflict
+from autotune.knobs import CATALOGUE, Target, apply_config, build_configured, conflict
 from autotune.knobs.compile import CUDA_GRAPH_MODES
 from autotune.models import resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
 from autotune.workload import Workload
-from test_catalogue import COMPILE_KNOBS, allowed_pairs, hooks_of, key, split_compile, uncompile
+from test_catalogue import allowed_pairs, by_rest, compile_variant_problem, hooks_of, key
 
 
 def target(family, steps=2):
@@ -230,19 +230,15 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
     started = time.perf_counter()
     t = target(family, steps=1)
     space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(t)
-    groups = {}
-    for pair, config in allowed_pairs(space):
-        if not space.forbidden(config):
-            rest, compile_part = split_compile(config)
-            groups.setdefault(key(rest), (rest, {}))[1][key(config)] = (pair, compile_part)
+    configs = {key(config): (pair, config) for pair, config in allowed_pairs(space) if not space.forbidden(config)}
+    groups = by_rest(configs.values())
     spec = resolve_model(f"tiny-{family}")
     denoiser = "unet" if family in ("sdxl", "sd15") else "transformer"
     bases = {}
-    compile_knobs = [k for k in APPLY_ORDER if k.name in COMPILE_KNOBS]
     failures = []  # every failing pair, named: the first one alone does not say which rule is missing
     calls = compile_checks = 0
     for rest, variants in groups.values():
-        first_pair = next(iter(variants.values()))[0]
+        first_pair = variants[0][0]
         if rest["dtype"] not in bases:  # on the host: offload must find nothing on the GPU
             bases[rest["dtype"]] = build_configured(spec, {"dtype": rest["dtype"]}, Target("cpu", family))
         pipe = copy.deepcopy(bases[rest["dtype"]])  # whole: applying for CUDA moves every component
@@ -253,24 +249,18 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
             calls += 1
             if not np.isfinite(out.images).all():
                 failures.append(f"{first_pair} ({config_changes(rest)}): NaN or inf in the output")
-            for pair, compile_part in variants.values():
+            for pair, compile_part in variants:
                 if compile_part["compile"] == "none":
                     continue
                 full = {**rest, **compile_part}
                 try:
-                    for knob in compile_knobs:
-                        knob.apply(pipe, full[knob.name], t, full)
-                    model = getattr(pipe, denoiser)
-                    wrapped = (any(m._compiled_call_impl is not None for m in model.modules())
-                               if full["compile_regional"] else model._compiled_call_impl is not None)
-                    if not wrapped:
-                        failures.append(f"{pair}: the denoiser was not wrapped for compilation")
+                    problem = compile_variant_problem(pipe, full, t, denoiser)
+                    if problem:
+                        failures.append(f"{pair}: {problem}")
                     compile_checks += 1
                 except Exception as exc:  # noqa: BLE001 - collected, reported below
                     failures.append(f"{pair} ({config_changes(full)}): {type(exc).__name__}: "
                                     f"{str(exc).splitlines()[0][:200]}")
-                finally:
-                    uncompile(pipe)
         except Exception as exc:  # noqa: BLE001 - collected, reported below
             failures.append(f"{first_pair} ({config_changes(rest)}): {type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:200]}")
@@ -278,7 +268,6 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
             del pipe
             gc.collect()  # hooks and wrappers hold reference cycles: the cache frees only after this
             torch.cuda.empty_cache()
-    configs = sum(len(v) for _, v in groups.values())
-    print(f"{family}: {configs} allowed configs ({calls} called, {compile_checks} compile checks), "
+    print(f"{family}: {len(configs)} allowed configs ({calls} called, {compile_checks} compile checks), "
           f"{time.perf_counter() - started:.1f} s")
-    assert not failures, f"{len(failures)} of {configs} configs failed:\n" + "\n".join(failures)
+    assert not failures, f"{len(failures)} of {len(configs)} configs failed:\n" + "\n".join(failures)
