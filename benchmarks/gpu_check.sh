@@ -3,11 +3,12 @@
 # OUT even when stopped at their limit (every stage runs under `timeout`, and the benchmarks write
 # as they go). From the project root, with autotune importable (installed, or on PYTHONPATH):
 #
-#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu: ~9 min, log and JUnit XML in OUT
-#   bash benchmarks/gpu_check.sh OUT memory    # gpu_memory.py, SDXL 1024x1024, 10 steps: ~4 min
+#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu, cut at 560 s; log and JUnit XML in OUT
+#   bash benchmarks/gpu_check.sh OUT memory    # gpu_memory.py, SDXL 1024x1024, 10 steps, cut at 540 s
 #   bash benchmarks/gpu_check.sh OUT tune      # SDXL random weights, 12GB, uncompiled seeds, then verify
-#   bash benchmarks/gpu_check.sh OUT versus    # versus_hand_tuning --quick on CUDA (tiny-sd15)
+#   bash benchmarks/gpu_check.sh OUT versus    # versus_hand_tuning --quick on CUDA (tiny-sd15), cut at 540 s
 #
+# Not yet run on a GPU: the limits are what a 10-minute command allows, not measured durations.
 # `tune` stops short of the compiled seeds: a cold max-autotune compile of SDXL's UNet took over
 # 180 s on an H100. The full comparison (#8) needs a longer visit: versus_hand_tuning.py --device cuda.
 set -u
