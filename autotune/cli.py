@@ -474,9 +474,7 @@ def _tune(args, argv: list[str]) -> int:
         _print_interrupted(storage, study_name)
         return EXIT_INTERRUPTED
     console.print_summary(out, outcome, budget, request.margin_bytes)
-    if outcome.measured_here != len(outcome.records):
-        out.print(f"this worker measured {outcome.measured_here} of the study's {len(outcome.records)} "
-                  "trials; the rest were measured by other workers sharing it, or by an earlier run")
+    console.print_share(out, outcome)
     if args.no_profile:
         out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
                   f"--storage {storage}")

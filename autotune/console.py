@@ -150,6 +150,22 @@ class TrialProgress:
         self.out.print(escape(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]"))
 
 
+def print_share(out: Console, outcome) -> None:
+    """What this run measured, when it did not measure all of the study: a resume, or a study
+    shared by several workers."""
+    total = len(outcome.records)
+    if outcome.measured_here == total:
+        return
+    n = outcome.confirmed_here
+    confirmations = f" and {n} confirmation trial{'s' if n != 1 else ''}" if n else ""
+    if outcome.measured_here:
+        out.print(f"this run measured {outcome.measured_here} of the study's {total} trials{confirmations}; the "
+                  "rest were measured by an earlier run or by other workers sharing the study")
+    else:
+        out.print(f"this run measured none of the study's {total} trials{confirmations}; they were measured by "
+                  "an earlier run or by other workers sharing the study")
+
+
 def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
     out.print(f"stopped: {outcome.stop_reason}")
     guard = outcome.quality_guard
@@ -164,7 +180,12 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     if outcome.seed_note:
         out.print(f"seeds: {outcome.seed_note}")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
-    out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status})")
+    skipped = outcome.counts.get("not_measured") or {}
+    # Trial numbers are Optuna's and count these too: this line says where the gaps come from.
+    n_skipped = sum(skipped.values())
+    not_measured = (f"; not measured: {n_skipped} more proposal{'s' if n_skipped != 1 else ''} ("
+                    + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""
+    out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status}){not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
                   f"(peak + {format_size(margin_bytes)} margin)")
     for col in ("", "latency", "p90", "peak", "headroom", "cold", "speedup"):

@@ -161,6 +161,7 @@ class StudyOutcome:
     guard_asked: bool = False  # the request asks for a guard (None above then: not calibrated yet)
     seed_note: str | None = None  # how the seeds were adapted to this machine, if they were
     measured_here: int = 0  # trials this worker measured (the others measured the rest)
+    confirmed_here: int = 0  # confirmation trials this worker measured
     choice_note: str | None = None  # why a simpler config was kept over a faster median, if it was
 
     @property
@@ -302,11 +303,30 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         "infeasible": sum(not r.feasible for r in records),
         "failed": sum(r.status != worker.OK for r in records),
         "by_status": _count_by(r.status for r in records),
+        # proposals that took a trial number and were not measured, by why
+        "not_measured": _count_by(filter(None, map(_why_not_measured, study.get_trials(deepcopy=False)))),
     }
     outcome.guard_asked = guard_asked
     outcome.quality_guard = study.user_attrs.get("quality_guard") if guard_asked else None
     outcome.seed_note = study.user_attrs.get("seed_note")
     return outcome
+
+
+def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
+    """Why the sampler's proposal in this trial was not measured; None for a measurement, a
+    running trial or a confirmation phase's claim (`_claim_confirmation`)."""
+    attrs = frozen.user_attrs
+    if attrs.get("duplicate_of") is not None:
+        return "measured already"
+    if "duplicate_of_running" in attrs:
+        return "being measured by another worker"
+    if "forbidden" in attrs:
+        return "forbidden by the rules"
+    if "dominated_by" in attrs:
+        return "known not to fit"
+    if frozen.state == TrialState.FAIL and CONFIRMER not in attrs:
+        return "stopped unfinished"  # Ctrl-C, a dead worker's, a model that did not load: queued again
+    return None
 
 
 def pareto_front(feasible: list[TrialRecord]) -> list[TrialRecord]:
@@ -782,10 +802,18 @@ def tune(
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))
 
+    confirmed_here = []
+
+    def count_confirmation(record: TrialRecord, entry: dict) -> None:
+        confirmed_here.append(record.number)
+        if on_confirm:
+            on_confirm(record, entry)
+
     if req.confirm_rounds:
-        confirm_contenders(req, study, measure, on_confirm, deadline)
+        confirm_contenders(req, study, measure, count_confirmation, deadline)
     outcome = summarize(study, reason, guard_asked=bool(req.min_psnr_db))
     outcome.measured_here = measured_here
+    outcome.confirmed_here = len(confirmed_here)
     return outcome
 
 

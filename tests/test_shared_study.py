@@ -54,9 +54,9 @@ def measured_trials(url):
 
 
 def worker_count(output, total):
-    """What a worker says it measured: 'this worker measured K of the study's N trials', or all."""
-    found = re.search(r"this worker measured (\d+) of the study's (\d+) trials", output)
-    return int(found.group(1)) if found else total
+    """What a worker says it measured: 'this run measured K (or none) of the study's N trials', or all."""
+    found = re.search(r"this run measured (\d+|none) of the study's (\d+) trials", output)
+    return (0 if found.group(1) == "none" else int(found.group(1))) if found else total
 
 
 def two_workers_share(tmp_path, url, extra):

@@ -253,6 +253,29 @@ def test_confirmation_picks_the_lowest_median_not_the_luckiest_measurement(tmp_p
     assert calls[3:] == [(lucky, 1), (steady, 1), (lucky, 2), (steady, 2)]
 
 
+def test_a_resume_that_only_confirms_says_what_it_measured(tmp_path):
+    """A study searched with --confirm 0, run again with confirmation: the second run measures
+    no trial of the search, only confirmations, and says so instead of '0 of 3'."""
+    import io
+
+    from rich.console import Console
+
+    from autotune import console
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    fp16, bf16 = config_key({**baseline(), "dtype": "float16"}), config_key({**baseline(), "dtype": "bfloat16"})
+    measure, calls = drifting_measure({fp16: [0.80], bf16: [0.95]})
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    study.tune(request(space, tmp_path, trials=3, confirm_rounds=0, storage=storage), measure=measure)
+    outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=1, storage=storage), measure=measure)
+    assert (outcome.measured_here, len(outcome.records), outcome.confirmed_here) == (0, 3, 2)
+    text = io.StringIO()
+    console.print_share(Console(file=text, width=200), outcome)
+    assert text.getvalue() == ("this run measured none of the study's 3 trials and 2 confirmation trials; they were "
+                               "measured by an earlier run or by other workers sharing the study\n")
+
+
 def test_a_lower_median_its_trials_do_not_back_keeps_the_default(tmp_path):
     """bfloat16's median is 5% lower, but its own slowest trial was slower than the default's
     median: noise, so the config that changes nothing is kept. The baseline is confirmed beside
@@ -391,10 +414,14 @@ def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(
 
     monkeypatch.setattr(study, "_heartbeat", heartbeat_then_twin)
     measure, measured = fake_measure(lambda c: 1.0)
-    study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
+    outcome = study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
     trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
     assert trials[1].user_attrs.get("duplicate_of_running") == 2 and trials[1].state == TrialState.FAIL
     assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # measured once, after the twin died
+    # every trial number is a measurement or a proposal not measured, with why (the summary prints them)
+    not_measured = outcome.counts["not_measured"]
+    assert not_measured["being measured by another worker"] == 1 and not_measured["stopped unfinished"] == 1
+    assert len(trials) == len(outcome.records) + sum(not_measured.values())
 
 
 def test_a_config_another_worker_finished_meanwhile_is_not_measured_again(tmp_path, monkeypatch):
@@ -430,11 +457,15 @@ def test_a_config_another_worker_finished_meanwhile_is_not_measured_again(tmp_pa
 
     monkeypatch.setattr(study, "_heartbeat", heartbeat_and_the_other_worker)
     measure, measured = fake_measure(lambda c: 1.0)
-    study.tune(request(space, tmp_path, trials=3, storage=storage), measure=measure)
+    outcome = study.tune(request(space, tmp_path, trials=3, storage=storage), measure=measure)
     assert sorted(c["dtype"] for c in measured) == ["float16", "float32"]  # bfloat16: the other worker's
+    assert (outcome.measured_here, len(outcome.records)) == (2, 3)
     trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
     assert trials[2].user_attrs["config_key"] == config_key(bf16)
     assert trials[2].user_attrs.get("duplicate_of") == twin[0] and trials[2].state == TrialState.COMPLETE
+    not_measured = outcome.counts["not_measured"]  # trial 2, and the sampler's later repeats
+    assert not_measured["measured already"] >= 1 and set(not_measured) == {"measured already"}
+    assert len(trials) == len(outcome.records) + sum(not_measured.values())
 
 def test_a_confirmed_configs_p90_is_never_below_its_median():
     # one trial's p90 (0.95 s) can lie below the median of the config's trials (1.0 s)
