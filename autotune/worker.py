@@ -101,8 +101,9 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     if threads:
         torch.set_num_threads(int(threads))
     if request["compile_cache_dir"]:
-        # One inductor/FX-graph cache per study: a config compiled once compiles from cache in
-        # later trials and in `verify` (read when inductor first compiles, after this point).
+        # One inductor/FX-graph cache per study: a config compiled once compiles from cache when
+        # it is confirmed (read when inductor first compiles, after this point). `verify` gives
+        # none and uses inductor's default cache, as a serving process would.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = request["compile_cache_dir"]
     device = request["device"]
     spec = ModelSpec.from_dict(request["model"])
