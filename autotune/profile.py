@@ -23,7 +23,7 @@ import yaml
 
 from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
-from .knobs import Config, Target, apply_config, build_configured, complete
+from .knobs import Config, Target, apply_config, build_configured, changed, complete
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -253,8 +253,9 @@ class Profile:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
         (bytes, or a size such as "6GB"; or none is given): the study's pick, which may be a
         simpler config than a front point with a lower median that its trials did not back
-        (study.choose_best). Else the fastest front point that fits; ProfileError when none
-        does, or when the budget is not a positive size."""
+        (study.choose_best). Else the fastest front point that fits, by the same rule
+        (`_simplest_within_noise`); ProfileError when none does, or when the budget is not a
+        positive size."""
         if budget_bytes is None:
             return self.best
         budget_bytes = self._budget(budget_bytes)
@@ -267,7 +268,7 @@ class Profile:
                 f"no configuration in this profile fits {format_size(budget_bytes)} with a margin "
                 f"of {self.margin} (the smallest measured peak is {format_size(smallest)})"
             )
-        return min(fitting, key=lambda p: p["latency_s"])
+        return _simplest_within_noise(fitting)
 
     # ---- production ---------------------------------------------------------------------------
     def _target(self, device: str | None) -> Target:
@@ -298,6 +299,20 @@ class Profile:
         return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
             self.data["software"], fingerprint.software(), SOFTWARE_KEYS, absent="not installed"
         )
+
+
+def _simplest_within_noise(points: list[dict]) -> dict:
+    """The fastest of these front points; or, when its trials were measured again (a confirmed
+    point has `latencies_s`), the confirmed point that changes fewest knobs among those whose
+    median is no higher than the fastest one's slowest trial: the rule the study picked its best
+    by (study.choose_best), for the points of a smaller budget. An unconfirmed fastest point
+    stands on its one measurement, as the study's own pick does without confirmations."""
+    fastest = min(points, key=lambda p: p["latency_s"])
+    if not fastest.get("latencies_s"):
+        return fastest
+    slowest = max(fastest["latencies_s"])
+    within_noise = [p for p in points if p.get("latencies_s") and p["latency_s"] <= slowest]
+    return min(within_noise, key=lambda p: (len(changed(p["config"])), p["latency_s"]))
 
 
 def _device_here(device: str) -> bool:
@@ -358,6 +373,11 @@ def _check_point(point, where: str, path) -> None:
     for key in OPTIONAL_POINT_NUMBERS:
         if point.get(key) is not None and not _is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
+    latencies = point.get("latencies_s")  # a confirmed point's trial medians, read by `choose`
+    if latencies is not None and not (isinstance(latencies, list) and latencies
+                                      and all(_is_number(v) for v in latencies)):
+        raise ProfileError(f"profile {path}: {where}.latencies_s must be a list of numbers or null, "
+                           f"not {latencies!r:.40}")
     try:
         complete(point["config"])
     except ValueError as exc:

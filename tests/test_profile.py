@@ -120,6 +120,29 @@ def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
     assert profile.choose(2 * GiB)["trial"] == 5  # the pick does not fit: the fastest point that does
 
 
+def test_a_smaller_budget_keeps_the_simpler_point_its_trials_do_not_set_apart(tmp_path):
+    """Below the pick, the front points that fit are chosen by the study's own rule: trial 7's
+    median (0.18 s) is lower than trial 5's (0.19 s), but its slowest trial (0.21 s) is slower
+    than trial 5's median; trial 5 changes fewer knobs, so it is kept. Unconfirmed, the fastest
+    point stands on its one measurement."""
+    doc = document()
+    simple = point(5, 0.19, 1 * GiB, dtype="bfloat16") | {"latencies_s": [0.19, 0.18, 0.20]}
+    busier = point(7, 0.18, int(1.5 * GiB), dtype="bfloat16", attention="sliced", vae_tiling=True) \
+        | {"latencies_s": [0.17, 0.18, 0.21]}
+    doc["pareto"] = [simple, busier, doc["best"]]
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.choose(2 * GiB)["trial"] == 5
+    assert profile.choose(int(1.2 * GiB))["trial"] == 5  # trial 7 does not fit: trial 5 alone
+
+    busier["latencies_s"] = [0.17, 0.18, 0.185]  # faster in every trial than trial 5's median
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.choose(2 * GiB)["trial"] == 7
+
+    busier["latencies_s"] = None  # one measurement: the fastest, as without confirmation
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.choose(2 * GiB)["trial"] == 7
+
+
 def test_choose_keeps_the_safety_margin_free(tmp_path):
     doc = document()
     doc["budget"]["margin"] = "10%"
@@ -313,6 +336,9 @@ def _set(section, key=None, value=None):
         (_set("best", "latency_s", float("nan")), "best.latency_s must be a number"),
         (_set("best", "peak_memory_bytes", None), "best.peak_memory_bytes must be a number"),
         (_set("best", "p90_s", "slow"), "best.p90_s must be a number or null"),
+        (_set("best", "latencies_s", 0.1), "best.latencies_s must be a list of numbers or null"),
+        (_set("best", "latencies_s", []), "best.latencies_s must be a list of numbers or null"),
+        (_set("best", "latencies_s", [0.1, "x"]), "best.latencies_s must be a list of numbers or null"),
         (_set("best", "config", ["dtype"]), "best.config must be a mapping"),
         (_set("best", "config", {"channels_last": 1}), "best.config: knob 'channels_last' has no choice 1"),
         (_set("best", value=[1]), "best must be a mapping"),
