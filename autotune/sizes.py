@@ -48,6 +48,9 @@ def parse_margin(text: str, budget: int) -> int:
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit
         return 0
+    if re.fullmatch(r"[\d.]+", text):  # "5" would be 5 bytes, no margin at all: as parse_budget
+        raise ValueError(f"'{text}' has no unit: did you mean {text}% or {text}GB? "
+                         "(examples: 5%, 512MB, 0; B for bytes)")
     try:
         return parse_size(text)
     except ValueError:

@@ -67,6 +67,14 @@ def test_rejects_bad_margins(text):
         parse_margin(text, 2**30)
 
 
+def test_a_margin_other_than_zero_needs_its_unit():
+    # "--margin 5" was 5 bytes: no margin at all, said as "a margin of 5 (5 B)"
+    assert parse_margin("512B", 2**30) == 512
+    for text in ("5", "5.5"):
+        with pytest.raises(ValueError, match=f"'{text}' has no unit: did you mean {text}% or {text}GB"):
+            parse_margin(text, 2**30)
+
+
 def test_a_budget_needs_its_unit():
     assert parse_budget("8GB") == 8 * 2**30 and parse_budget("1024B") == 1024
     with pytest.raises(ValueError, match="'8' has no unit: did you mean 8GB"):
