@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .storages import DEFAULT_WORKDIR, default_storage, keeps_nothing, open_storage, storage_file
+from .storages import DEFAULT_WORKDIR, default_storage, display_url, keeps_nothing, open_storage, storage_file
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
@@ -440,6 +440,7 @@ def _tune(args, argv: list[str]) -> int:
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
+    open_storage(storage)  # a server that does not answer, a driver not installed: said before the search
     output = args.output or default_profile_path(spec, budget)
     if not args.no_profile:
         # The profile is written after the search: a path that takes no file fails now, not then.
@@ -477,7 +478,7 @@ def _tune(args, argv: list[str]) -> int:
     console.print_share(out, outcome)
     if args.no_profile:
         out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
-                  f"--storage {storage}")
+                  f"--storage {display_url(storage)}")
         return 0 if outcome.best else EXIT_NO_FIT
     return _write_profile(out, request, outcome, output)
 
@@ -589,18 +590,18 @@ def _write_profile(out, request, outcome, output: Path) -> int:
         print(f"autotune: error: no configuration fits {format_size(request.budget_bytes)}: {seen}; "
               "no profile written", file=sys.stderr)
         return EXIT_NO_FIT
-    document = profile_io.build(request, outcome, storage_label=request.storage)
+    document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:
         path = profile_io.save(document, output)
     except AutotuneError as exc:  # checked before the search, yet the file can go bad meanwhile
         raise AutotuneError(f"{exc}; the measured trials are kept: autotune export --study-name "
-                            f"{request.study_name} --storage {request.storage} -o OTHER.yaml") from None
+                            f"{request.study_name} --storage {display_url(request.storage)} -o OTHER.yaml") from None
     out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
     return 0
 
 
 def _print_interrupted(storage: str, study_name: str) -> None:
-    print(f"autotune: interrupted: the measured trials are kept in {storage} (study {study_name}); "
+    print(f"autotune: interrupted: the measured trials are kept in {display_url(storage)} (study {study_name}); "
           "run the same command to resume", file=sys.stderr)
 
 
@@ -624,7 +625,7 @@ def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
             raise AutotuneError(f"--warm-start {source}: no such profile file, and {exc}") from None
         except KeyError:
             raise AutotuneError(f"--warm-start {source}: no such profile file, nor a study {name!r} "
-                                f"in {url or storage}") from None
+                                f"in {display_url(url or storage)}") from None
         configs += [record.config for record in summarize(study).front]
     return configs
 
@@ -747,14 +748,19 @@ def _export(argv: list[str]) -> int:
     if args.output:
         _check_not_the_storage(args.output, storage)
     try:
-        study = optuna.load_study(study_name=args.study_name, storage=open_storage(storage, existing=True))
+        backend = open_storage(storage, existing=True)
     except AutotuneError as exc:
+        kept = storage_file(storage)
+        if kept is None or kept.is_file():  # a server that does not answer, a foreign file: not "no study"
+            raise
         hint = "" if args.storage or args.workdir else " (tuned with --workdir? give the same here)"
         raise AutotuneError(f"no study {args.study_name!r}: {exc}{hint}") from None
+    try:
+        study = optuna.load_study(study_name=args.study_name, storage=backend)
     except KeyError:
-        names = optuna.get_all_study_names(open_storage(storage, existing=True))
+        names = optuna.get_all_study_names(backend)
         held = f"it holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "it holds none"
-        raise AutotuneError(f"no study {args.study_name!r} in {storage} ({held})") from None
+        raise AutotuneError(f"no study {args.study_name!r} in {display_url(storage)} ({held})") from None
     request = request_of(study, storage)
     outcome = summarize(study, "exported from the stored study", guard_asked=bool(request.min_psnr_db))
     out = console.terminal()

@@ -68,6 +68,22 @@ def storage_file(url: str) -> Path | None:
     return Path(sqlite.database) if sqlite is not None and sqlite.database not in _IN_MEMORY else None
 
 
+def display_url(url: str) -> str:
+    """`url` as autotune shows and records it: a database server's password masked (***), as
+    SQLAlchemy renders it, for profiles, reports and messages are read and shared by people
+    other than the one who typed it."""
+    if url == "memory" or url.startswith("journal:"):
+        return url
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password is not None else url
+
+
 def with_storage_file(url: str, path: Path) -> str:
     """`url` (a SQLite or journal storage URL) with its file replaced by `path`."""
     if url.startswith("journal:"):
@@ -96,6 +112,11 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
 
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
+    shown = display_url(url)
+    if "://" not in url and not url.startswith("journal:"):
+        # a path typed where a URL goes: SQLAlchemy's "Could not parse SQLAlchemy URL" says less
+        raise AutotuneError(f"storage {url}: not a storage URL; for a SQLite file write "
+                            f"{sqlite_url(Path(url))}, for a journal file journal:{url}")
     path = storage_file(url)
     if existing and path is not None and not path.is_file():
         raise AutotuneError(f"storage {url}: no such file {path}")
@@ -109,9 +130,14 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
 
             return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
         return _rdb_storage(url)
+    except ImportError as exc:  # Optuna's "Failed to import DB access module", the driver's name below
+        missing = getattr(exc.__cause__, "name", None) or str(exc.__cause__ or exc)
+        fix = ' (pip install "autotune[postgres]")' if url.startswith("postgres") else ""
+        raise AutotuneError(f"storage {shown}: cannot open it: its database driver is not installed "
+                            f"(no module {missing}){fix}") from None
     except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        raise AutotuneError(f"storage {url}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+        raise AutotuneError(f"storage {shown}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
 
 
 def _check_journal(url: str, path: Path) -> None:

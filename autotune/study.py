@@ -254,7 +254,8 @@ def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[
     except optuna.exceptions.StorageInternalError as exc:  # a read-only file or database, a full disk
         cause = exc.__cause__
         detail = str(getattr(cause, "orig", None) or cause or exc).strip().splitlines()
-        raise AutotuneError(f"storage {storage}: cannot write the study there ({detail[0] if detail else exc})") from None
+        raise AutotuneError(f"storage {storages.display_url(storage)}: cannot write the study there "
+                            f"({detail[0] if detail else exc})") from None
 
 
 def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None = None) -> TrialRecord | None:

@@ -40,6 +40,7 @@ def one_line_error(proc):
         (["--gpus", "99"], "--gpus: no"),  # no CUDA here, or no GPU 99 on a GPU machine
         (["--margin", "lots"], "not a margin"),
         (["--margin", "100%"], "under 100%"),
+        (["--margin", "5"], "'5' has no unit: did you mean 5% or 5GB?"),
         (["--space", "missing.yaml"], "no such file"),
         (["show", "missing.yaml"], "no such file"),
         (["--no-such-flag"], "unrecognized arguments"),
@@ -56,6 +57,10 @@ def one_line_error(proc):
         (["--storage", "sqlite:///nosuchdir/s.db", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
+        (["--storage", "studies.db", "--trials", "1"], "not a storage URL; for a SQLite file write sqlite:///studies.db"),
+        # the password stays out of what is printed (and of profiles and reports)
+        (["--storage", "postgresql://me:secret@127.0.0.1:1/db", "--trials", "1"],
+         "storage postgresql://me:***@127.0.0.1:1/db: cannot open it"),
         (["-o", "autotune-studies/studies.db", "--trials", "1"], "would destroy the measured trials"),
         (["shw", "x.yaml"], "unknown command 'shw' (commands: show, verify, export, report"),
         (["--sampler-seed", "-1"], "--sampler-seed: must be from 0 to 2**32 - 1"),  # else numpy's traceback

@@ -662,3 +662,14 @@ def test_export_of_a_study_stopped_in_its_calibration_says_the_guard_was_not_cal
     assert "quality guard: not calibrated (the study stopped before its reference calls)" in proc.stdout
     assert "quality guard: off" not in proc.stdout
     assert proc.returncode == 1 and not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql://me:secret@db:5432/autotune", "postgresql://me:***@db:5432/autotune"),
+    ("postgresql+psycopg://me:p%40ss@db/autotune", "postgresql+psycopg://me:***@db/autotune"),
+    ("postgresql://me@db/autotune", "postgresql://me@db/autotune"),  # no password: as typed
+    ("sqlite:///runs/studies.db", "sqlite:///runs/studies.db"),
+    ("journal:runs/study.log", "journal:runs/study.log"),
+])
+def test_a_storage_password_is_masked_where_autotune_shows_or_records_it(url, shown):
+    assert storages.display_url(url) == shown
