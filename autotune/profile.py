@@ -35,6 +35,9 @@ SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
 
 
+APPLIED = "_autotune_profile"  # set on a pipeline by Profile.apply: the profile it was put in the state of
+
+
 class ProfileMismatchWarning(UserWarning):
     """The machine or libraries differ from those the profile was measured on."""
 
@@ -285,8 +288,19 @@ class Profile:
         """Put a loaded pipeline into the measured state (the same code the trials ran). Load it
         on the CPU: the configuration moves it to the device at the point the trial did.
         `budget_bytes` (bytes, or a size such as "6GB") picks as `choose` does."""
+        expected = self.model.pipeline_class
+        if expected not in (cls.__name__ for cls in type(pipe).__mro__):
+            raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
+                               f"{type(pipe).__name__!r:.60}")
+        if getattr(pipe, APPLIED, None):
+            # its knobs rewrote the pipeline (fused QKV drops the q, k and v layers): a second
+            # configuration would meet a pipeline unlike the one any trial measured
+            raise ProfileError(f"this pipeline is configured already (by {getattr(pipe, APPLIED)}); "
+                               "apply a profile to a freshly loaded pipeline")
         config = complete(self.choose(budget_bytes)["config"])
-        return apply_config(pipe, config, self._target(device))
+        pipe = apply_config(pipe, config, self._target(device))
+        setattr(pipe, APPLIED, str(self.path))
+        return pipe
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;

@@ -58,6 +58,8 @@ def one_line_error(proc):
         (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
         (["--storage", "studies.db", "--trials", "1"], "not a storage URL; for a SQLite file write sqlite:///studies.db"),
+        (["--storage", "mysql://me@127.0.0.1/db", "--trials", "1"],  # mysqlclient is not installed here
+         "its database driver is not installed (no module MySQLdb)"),
         # the password stays out of what is printed (and of profiles and reports)
         (["--storage", "postgresql://me:secret@127.0.0.1:1/db", "--trials", "1"],
          "storage postgresql://me:***@127.0.0.1:1/db: cannot open it"),

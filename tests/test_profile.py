@@ -109,6 +109,27 @@ def test_load_pipeline_takes_a_size(written):
     assert all(isinstance(p, SlicedAttnProcessor) for p in pipe.unet.attn_processors.values())
 
 
+def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
+    """apply() twice met a pipeline whose q, k, v layers fused QKV had dropped (a raw
+    AttributeError), and a pipeline of another class, or no pipeline, was configured silently or
+    failed inside torch; each is one ProfileError now."""
+    from autotune.models import build_pipeline
+
+    doc = document()
+    doc["best"]["config"]["fuse_qkv"] = True
+    doc["pareto"][1] = doc["best"]
+    profile = load_profile(profile_io.save(doc, written))
+    pipe = profile.apply(build_pipeline(resolve_model("tiny-sd15")))
+    assert pipe.unet.dtype.is_floating_point and getattr(pipe, profile_io.APPLIED) == str(written)
+    with pytest.raises(ProfileError, match="this pipeline is configured already .*freshly loaded pipeline"):
+        profile.apply(pipe)
+    with pytest.raises(ProfileError, match="measured on a StableDiffusionPipeline; apply it to one, not to "
+                                           "'StableDiffusionXLPipeline'"):
+        profile.apply(build_pipeline(resolve_model("tiny-sdxl")))
+    with pytest.raises(ProfileError, match="not to 'str'"):
+        profile.apply("x")
+
+
 def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
     """A study may keep a simpler config over a front point with a lower median its trials did not
     back (study.choose_best): a budget the pick fits gets the pick, not that point."""
