@@ -345,13 +345,13 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 # ---- tune --------------------------------------------------------------------------------------
 def _resolve_device(name: str) -> str:
     from .errors import AutotuneError
-    from .fingerprint import cuda_available, cuda_device_count
+    from .fingerprint import cuda_available, cuda_device_count, is_device_name
 
     if name == "auto":
         return "cuda" if cuda_available() else "cpu"
     if name == "cpu":
         return name
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+    if is_device_name(name):
         if not cuda_available():
             raise AutotuneError(f"--device {name}: no CUDA GPU is usable here")
         if name.startswith("cuda:") and int(name[5:]) >= cuda_device_count():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from importlib import metadata
 
 import psutil
@@ -42,6 +43,11 @@ def _nvml_index(device: str) -> int:
     if ids and index < len(ids) and ids[index].isdigit():
         return int(ids[index])
     return index
+
+
+def is_device_name(name) -> bool:
+    """cpu, cuda or cuda:N: the devices autotune measures on."""
+    return isinstance(name, str) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None
 
 
 def cuda_available() -> bool:

@@ -276,6 +276,8 @@ class Profile:
     # ---- production ---------------------------------------------------------------------------
     def _target(self, device: str | None) -> Target:
         device = device or self.data["machine"]["device"]
+        if not fingerprint.is_device_name(device):  # else torch's own error, deep in .to()
+            raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not fingerprint.cuda_available():
             raise ProfileError(
                 f"this profile was measured on {device}, and no CUDA GPU is usable here; "
@@ -382,8 +384,8 @@ def _check_point(point, where: str, path) -> None:
     if not isinstance(point["config"], dict):
         raise ProfileError(f"profile {path}: {where}.config must be a mapping of knob: value")
     for key in ("latency_s", "peak_memory_bytes"):
-        if not _is_number(point[key]):
-            raise ProfileError(f"profile {path}: {where}.{key} must be a number, not {point[key]!r:.40}")
+        if not _is_number(point[key]) or point[key] <= 0:  # measured: seconds and bytes above zero
+            raise ProfileError(f"profile {path}: {where}.{key} must be a positive number, not {point[key]!r:.40}")
     for key in OPTIONAL_POINT_NUMBERS:
         if point.get(key) is not None and not _is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
@@ -419,8 +421,9 @@ def validate(data, path) -> None:
             raise ProfileError(
                 f"profile {path}: section '{section}' must be a mapping or null, not {data[section]!r:.40}"
             )
-    if not isinstance(data["machine"].get("device"), str):
-        raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N)")
+    if not fingerprint.is_device_name(data["machine"].get("device")):
+        raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N), "
+                           f"not {data['machine'].get('device')!r:.40}")
     if not isinstance(data["pareto"], list) or not data["pareto"]:
         raise ProfileError(f"profile {path}: 'pareto' must be a non-empty list of measured points")
     budget = data["budget"]

@@ -128,6 +128,8 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
         profile.apply(build_pipeline(resolve_model("tiny-sdxl")))
     with pytest.raises(ProfileError, match="not to 'str'"):
         profile.apply("x")
+    with pytest.raises(ProfileError, match="device 'tpu': expected cpu, cuda or cuda:N"):  # was torch's RuntimeError
+        profile.load_pipeline(device="tpu")
 
 
 def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
@@ -341,6 +343,9 @@ def _set(section, key=None, value=None):
         (_set("machine", value="cpu"), "section 'machine' must be a mapping"),
         (_set("machine", value={}), "machine.device"),
         (_set("machine", "device", 3), "machine.device"),
+        (_set("machine", "device", "tpu"), "machine.device must name a device (cpu, cuda, cuda:N), not 'tpu'"),
+        (_set("best", "latency_s", -0.03), "best.latency_s must be a positive number"),
+        (_set("best", "peak_memory_bytes", -5), "best.peak_memory_bytes must be a positive number"),
         (_set("software", value=[]), "section 'software' must be a mapping"),
         (_set("model", value="tiny-sd15"), "section 'model' must be a mapping"),
         (_set("model", value={"name": "x"}), "section 'model' is malformed"),
@@ -351,11 +356,11 @@ def _set(section, key=None, value=None):
         (_set("study", value="x"), "section 'study' must be a mapping or null"),
         (_set("quality_guard", value=[1]), "section 'quality_guard' must be a mapping or null"),
         (_set("baseline", value="x"), "section 'baseline' must be a mapping or null"),
-        (_set("baseline", "latency_s", None), "baseline.latency_s must be a number"),
-        (_set("best", "latency_s", "fast"), "best.latency_s must be a number"),
-        (_set("best", "latency_s", True), "best.latency_s must be a number"),
-        (_set("best", "latency_s", float("nan")), "best.latency_s must be a number"),
-        (_set("best", "peak_memory_bytes", None), "best.peak_memory_bytes must be a number"),
+        (_set("baseline", "latency_s", None), "baseline.latency_s must be a positive number"),
+        (_set("best", "latency_s", "fast"), "best.latency_s must be a positive number"),
+        (_set("best", "latency_s", True), "best.latency_s must be a positive number"),
+        (_set("best", "latency_s", float("nan")), "best.latency_s must be a positive number"),
+        (_set("best", "peak_memory_bytes", None), "best.peak_memory_bytes must be a positive number"),
         (_set("best", "p90_s", "slow"), "best.p90_s must be a number or null"),
         (_set("best", "latencies_s", 0.1), "best.latencies_s must be a list of numbers or null"),
         (_set("best", "latencies_s", []), "best.latencies_s must be a list of numbers or null"),
@@ -493,4 +498,4 @@ def test_show_of_a_bad_profile_is_one_line(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
     proc = run_cli("show", "bad.yaml", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "autotune: error: profile bad.yaml: best.latency_s must be a number, not 'fast'"
+    assert proc.stderr.strip() == "autotune: error: profile bad.yaml: best.latency_s must be a positive number, not 'fast'"
