@@ -266,7 +266,7 @@ def print_profile(out: Console, profile) -> None:
               f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
               + (f", {speed:.2f}x the baseline" if speed else "")
               + escape(f"  [{config_changes(best['config'])}]"))
-    if (d.get("study") or {}).get("choice"):
+    if d["study"].get("choice"):
         out.print(escape(f"  choice: {d['study']['choice']}"))
     table = Table(title="feasible Pareto front")
     for col in ("trial", "latency", "peak memory", "configuration"):
@@ -275,9 +275,11 @@ def print_profile(out: Console, profile) -> None:
         table.add_row(str(p.get("trial", "")), f"{p['latency_s']:.3f} s",
                       format_size(p["peak_memory_bytes"]), config_changes(p["config"]))
     out.print(table)
-    s = d.get("study") or {}  # optional, and null in a file cut just after "study:"
-    out.print(f"  study: {s.get('name')} in {s.get('storage')}: {s.get('trials')} trials, "
-              f"{s.get('infeasible')} infeasible")
+    s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
+    counts = ", ".join(f"{s[key]} {label}" for key, label in (("trials", "trials"), ("infeasible", "infeasible"))
+                       if s.get(key) is not None)
+    out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
+              + (f": {counts}" if counts else ""))
 
 
 __all__ = ["terminal", "print_space", "print_header", "TrialProgress", "print_summary", "print_profile"]

@@ -350,8 +350,11 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
 
 # Sections that must be mappings, and those that may be absent or null (written as None: the
 # quality guard off, no baseline measured; a file cut just after "study:" loads with it null).
-REQUIRED_MAPPINGS = ("model", "workload", "budget", "machine", "software")
-OPTIONAL_MAPPINGS = ("measurement", "study", "quality_guard", "baseline")
+# "study" is written last, and "choice" last in it: a file cut short (a copy that broke off)
+# lacks them, wherever it was cut, but in the last line.
+REQUIRED_MAPPINGS = ("model", "workload", "budget", "machine", "software", "study")
+LAST_KEY = ("study", "choice")
+OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline")
 # Point figures that are formatted as numbers where present (show, verify, report).
 OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs_baseline")
 
@@ -416,6 +419,10 @@ def validate(data, path) -> None:
     for section in REQUIRED_MAPPINGS:
         if not isinstance(data[section], dict):
             raise ProfileError(f"profile {path}: section '{section}' must be a mapping, not {data[section]!r:.40}")
+    section, key = LAST_KEY
+    if key not in data[section]:
+        raise ProfileError(f"profile {path}: {section}.{key} is missing, the last key autotune writes "
+                           "(truncated file?)")
     for section in OPTIONAL_MAPPINGS:
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise ProfileError(

@@ -37,7 +37,7 @@ def document():
         "best": fast,
         "baseline": point(0, 0.30, 2 * GiB),
         "pareto": [small, fast],
-        "study": {"name": "s", "trials": 6},
+        "study": {"name": "s", "trials": 6, "choice": None},
     }
 
 
@@ -353,7 +353,9 @@ def _set(section, key=None, value=None):
         (_set("budget", value="4GB"), "section 'budget' must be a mapping"),
         (_set("budget", "memory_bytes", "4GB"), "budget.memory_bytes"),
         (_set("measurement", value="x"), "section 'measurement' must be a mapping or null"),
-        (_set("study", value="x"), "section 'study' must be a mapping or null"),
+        (_set("study", value="x"), "section 'study' must be a mapping, not 'x'"),
+        (_set("study", value=None), "section 'study' is missing (truncated file?)"),
+        (_set("study", value={"name": "s", "trials": 6}), "study.choice is missing, the last key autotune writes"),
         (_set("quality_guard", value=[1]), "section 'quality_guard' must be a mapping or null"),
         (_set("baseline", value="x"), "section 'baseline' must be a mapping or null"),
         (_set("baseline", "latency_s", None), "baseline.latency_s must be a positive number"),
@@ -483,13 +485,21 @@ def show(profile) -> str:
 def test_optional_sections_may_be_null(tmp_path):
     doc = document()
     del doc["workload"]["batch_size"]  # has a default
-    doc.update(baseline=None, quality_guard=None, measurement=None, study=None)
+    doc.update(baseline=None, quality_guard=None, measurement=None)
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.threads is None and "batch 1" in show(profile)
-    # cut just after "study:": the rest is whole, so it loads, and shows
-    text = profile_io.save(document(), tmp_path / "cut.yaml").read_text()
-    (tmp_path / "cut.yaml").write_text(text[: text.index("study:") + len("study:")] + "\n")
-    assert "study: None" in show(load_profile(tmp_path / "cut.yaml"))
+    assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
+
+
+def test_a_profile_cut_short_at_any_line_is_refused(tmp_path):
+    """A copy that broke off: 5000 of 6641 bytes loaded, with one of two front points and `study`
+    null, and `show` printed "study: None in None". Every cut before the last line is refused."""
+    lines = profile_io.save(document(), tmp_path / "whole.yaml").read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.yaml"
+    for end in range(1, len(lines)):
+        cut.write_text("".join(lines[:end]))
+        with pytest.raises(ProfileError, match="truncated|missing|must be"):
+            load_profile(cut)
 
 
 def test_show_of_a_bad_profile_is_one_line(tmp_path):
