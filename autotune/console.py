@@ -157,13 +157,14 @@ def print_share(out: Console, outcome) -> None:
     if outcome.measured_here == total:
         return
     n = outcome.confirmed_here
-    confirmations = f" and {n} confirmation trial{'s' if n != 1 else ''}" if n else ""
+    confirmations = f"{n} confirmation trial{'s' if n != 1 else ''}" if n else ""
     if outcome.measured_here:
-        out.print(f"this run measured {outcome.measured_here} of the study's {total} trials{confirmations}; the "
-                  "rest were measured by an earlier run or by other workers sharing the study")
+        out.print(f"this run measured {outcome.measured_here} of the study's {total} trials"
+                  + (f" and {confirmations}" if n else "")
+                  + "; the rest were measured by an earlier run or by other workers sharing the study")
     else:
-        out.print(f"this run measured none of the study's {total} trials{confirmations}; they were measured by "
-                  "an earlier run or by other workers sharing the study")
+        out.print(f"this run measured {confirmations or 'nothing'}; the study's {total} trials were measured "
+                  "by an earlier run or by other workers sharing it")
 
 
 def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
@@ -237,7 +238,8 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
         ("peak memory", "peak_memory_bytes", format_size),
         ("cold start", "cold_start_s", lambda v: f"{v:.1f} s"),
     ):
-        old, new = best.get(key), result.get(key)
+        # a replay that failed measured nothing comparable: its peak is where it stopped
+        old, new = best.get(key), result.get(key) if result.get("status") == "ok" else None
         ratio = f"{new / old:.3f}" if old and new else "-"
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)

@@ -509,3 +509,17 @@ def test_show_of_a_bad_profile_is_one_line(tmp_path):
     proc = run_cli("show", "bad.yaml", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "autotune: error: profile bad.yaml: best.latency_s must be a positive number, not 'fast'"
+
+
+def test_a_failed_replay_shows_no_replayed_figures(written):
+    """A replay whose model did not load still reported where it stopped (429 MiB), and verify's
+    table set it beside the recorded peak as a ratio of 0.877, which reads as a saving."""
+    from rich.console import Console
+
+    from autotune import console
+
+    out = Console(file=io.StringIO(), width=200)
+    failed = {"status": "error", "error": "load: no such model folder", "peak_memory_bytes": 429 * 2**20}
+    console.print_verification(out, load_profile(written), failed, fits=None)
+    rows = [line for line in out.file.getvalue().splitlines() if "peak memory" in line]
+    assert rows and "429" not in rows[0] and rows[0].count("-") >= 2, rows

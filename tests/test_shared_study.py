@@ -54,9 +54,12 @@ def measured_trials(url):
 
 
 def worker_count(output, total):
-    """What a worker says it measured: 'this run measured K (or none) of the study's N trials', or all."""
-    found = re.search(r"this run measured (\d+|none) of the study's (\d+) trials", output)
-    return (0 if found.group(1) == "none" else int(found.group(1))) if found else total
+    """What a worker says it measured: 'this run measured K of the study's N trials', none of them
+    ('this run measured nothing' or only confirmations), or all (no such line)."""
+    found = re.search(r"this run measured (\d+) of the study's (\d+) trials", output)
+    if found:
+        return int(found.group(1))
+    return 0 if re.search(r"this run measured .*; the study's \d+ trials were measured", output) else total
 
 
 def two_workers_share(tmp_path, url, extra):

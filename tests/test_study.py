@@ -272,8 +272,8 @@ def test_a_resume_that_only_confirms_says_what_it_measured(tmp_path):
     assert (outcome.measured_here, len(outcome.records), outcome.confirmed_here) == (0, 3, 2)
     text = io.StringIO()
     console.print_share(Console(file=text, width=200), outcome)
-    assert text.getvalue() == ("this run measured none of the study's 3 trials and 2 confirmation trials; they were "
-                               "measured by an earlier run or by other workers sharing the study\n")
+    assert text.getvalue() == ("this run measured 2 confirmation trials; the study's 3 trials were measured by an "
+                               "earlier run or by other workers sharing it\n")
 
 
 def test_a_lower_median_its_trials_do_not_back_keeps_the_default(tmp_path):
