@@ -28,6 +28,43 @@ MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
 DEFAULT_WORKDIR = Path("autotune-studies")  # trial folders, compile cache and the default storage
 
 
+def this_process() -> dict | None:
+    """Who holds a trial, told so that a later run on the same machine can see it gone: the boot
+    (Linux's boot_id, one per machine and boot: two machines may share a host name), the PID
+    namespace (containers on one host), the PID and its start time (a PID in use again). None
+    where /proc cannot tell; such a trial waits out the heartbeat grace (GRACE_S)."""
+    import psutil
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        started = psutil.Process().create_time()
+    except (OSError, psutil.Error):
+        return None
+    return {"boot_id": boot, "pid_ns": namespace, "pid": os.getpid(), "started": started}
+
+
+def is_gone(holder: dict | None) -> bool:
+    """Whether the process `this_process()` described, on this machine, has ended (or is a zombie
+    its parent has not reaped): its RUNNING trial was orphaned, and need not wait out GRACE_S
+    (a resume after SIGKILL waited 20 s in silence). False when it cannot tell: another machine,
+    another container, or a process that still runs."""
+    import psutil
+
+    here = this_process()
+    if not isinstance(holder, dict) or here is None or any(holder.get(k) != here[k] for k in ("boot_id", "pid_ns")):
+        return False
+    try:
+        process = psutil.Process(holder["pid"])
+        if abs(process.create_time() - holder["started"]) > 0.01:
+            return True  # its PID is another process's now
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
 def default_storage(workdir: Path | None = None) -> str:
     """The storage a run keeps in its working folder when no --storage names another."""
     return sqlite_url((workdir or DEFAULT_WORKDIR) / "studies.db")

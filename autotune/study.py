@@ -41,6 +41,7 @@ from .space import SearchSpace, config_key
 from .workload import Workload
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
+PROCESS = "process"  # user attr: storages.this_process() of the worker holding a trial
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -219,19 +220,26 @@ def _heartbeat(storage, trial) -> None:
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
+    """Fail, and queue again, the RUNNING trials whose worker is gone: a process of this machine
+    that has ended (storages.is_gone) at once, others once their heartbeat is GRACE_S old."""
     storage = study._storage
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)  # RDB storages: heartbeats, then a retry
-        if not isinstance(storage, optuna.storages.JournalStorage):
-            return
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=storages.MAX_RETRIES)
+        journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the user
-            # attributes): its own start is the fresher sign of life until it beats itself.
-            beat = max(frozen.user_attrs.get("heartbeat_at", 0.0), frozen.datetime_start.timestamp())
-            if now - beat < storages.GRACE_S:
+            # A retried trial carries the dead one's heartbeat_at and process (Optuna's retry
+            # copies the user attributes) until its new worker writes its own, a moment after it
+            # takes it: its start is the fresher sign of life, and a trial younger than a
+            # heartbeat is left alone.
+            started = frozen.datetime_start.timestamp()
+            orphaned = now - started > storages.HEARTBEAT_S and storages.is_gone(frozen.user_attrs.get(PROCESS))
+            if journal and not orphaned:
+                beat = max(frozen.user_attrs.get("heartbeat_at", 0.0), started)
+                orphaned = now - beat >= storages.GRACE_S
+            if not orphaned:
                 continue
             try:
                 storage.set_trial_state_values(frozen._trial_id, state=TrialState.FAIL)
@@ -721,6 +729,7 @@ def tune(
         trial.set_user_attr("config", config)
         trial.set_user_attr("config_key", key)
         trial.set_user_attr("worker", WORKER)
+        trial.set_user_attr(PROCESS, storages.this_process())
 
         forbidden = space.forbidden(config)
         if forbidden:
@@ -991,7 +1000,7 @@ def _claim_confirmation(study: optuna.Study) -> optuna.Trial | None:
     template = optuna.trial.create_trial(
         state=TrialState.RUNNING,
         # the journal's heartbeat is an attribute: written with the claim, never missing
-        user_attrs={CONFIRMER: WORKER, "heartbeat_at": time.time()},
+        user_attrs={CONFIRMER: WORKER, PROCESS: storages.this_process(), "heartbeat_at": time.time()},
         # A full retry history: the stale-trial callback must not queue a claim again as a trial.
         system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)},
     )

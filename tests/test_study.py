@@ -155,6 +155,46 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
     assert shared.trials[1].params == shared.trials[0].params
 
 
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_trial_whose_process_on_this_machine_has_ended_is_queued_again_at_once(tmp_path, monkeypatch, kind):
+    """A run killed with SIGKILL left its trial RUNNING; the next run on this machine waited out
+    the heartbeat grace (20 s) before it went on. Its process is gone, so it need not wait, for
+    any storage. A trial held by a process that runs is left alone, and so is a retry a worker
+    took a moment ago, which still carries the dead holder's attributes until it writes its own."""
+    import subprocess
+    import sys
+
+    import optuna
+    import psutil
+    from optuna.trial import TrialState
+
+    storage = f"journal:{tmp_path / 'journal.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    shared, _ = study.open_study(storage, "s")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])  # a worker that has ended since
+    gone = {**storages.this_process(), "pid": ended.pid, "started": psutil.Process(ended.pid).create_time()}
+    ended.wait()
+    distribution = {"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])}
+    for holder in (gone, storages.this_process()):
+        trial = shared.ask(distribution)
+        study._heartbeat(shared._storage, trial)
+        trial.set_user_attr(study.PROCESS, holder)
+
+    now = time.time
+
+    def a_heartbeat_later():  # heartbeats stay far from the grace (GRACE_S): only the process tells
+        return now() + storages.HEARTBEAT_S + 1
+
+    monkeypatch.setattr(time, "time", a_heartbeat_later)
+    study._fail_stale_trials(shared)
+    assert [t.state for t in shared.trials] == [TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING]
+
+    monkeypatch.setattr(time, "time", now)
+    retry = shared.ask(distribution)  # taken just now, with the dead holder's attributes copied
+    assert shared.trials[retry.number].user_attrs[study.PROCESS] == gone
+    study._fail_stale_trials(shared)
+    assert shared.trials[retry.number].state == TrialState.RUNNING
+
+
 def measure_with_outputs(latency_of):
     """A made-up measurement that also writes an output image, as a worker does, so that the
     quality guard's calibration (a float32 reference call and a bfloat16 call) runs for real."""
