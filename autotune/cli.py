@@ -732,7 +732,7 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 def _export(argv: list[str]) -> int:
     """Write the profile of a stored study, from any machine that reaches its storage."""
     from . import console
-    from .study import request_of, summarize
+    from .study import request_of, summarize, unfinished
     from .errors import AutotuneError
     import optuna
 
@@ -762,9 +762,14 @@ def _export(argv: list[str]) -> int:
         held = f"it holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "it holds none"
         raise AutotuneError(f"no study {args.study_name!r} in {display_url(storage)} ({held})") from None
     request = request_of(study, storage)
-    outcome = summarize(study, "exported from the stored study", guard_asked=bool(request.min_psnr_db))
+    pending = unfinished(study)
+    reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
+    outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
+    if pending:
+        out.print(f"warning: study {args.study_name} is not finished ({pending}): the profile holds the trials "
+                  "measured so far; export again once its runs end")
     output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study
         _check_not_the_storage(output, storage)

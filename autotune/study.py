@@ -321,6 +321,26 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
     return outcome
 
 
+def unfinished(study: optuna.Study) -> str | None:
+    """What a study has not finished, for an export made meanwhile (None when nothing): trials
+    running or queued, a confirmation running, and trials left running by a process of this
+    machine that has ended (the next run measures them again)."""
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    left = [t for t in running if storages.is_gone(t.user_attrs.get(PROCESS))]
+    measuring = [t.number for t in running if t not in left and CONFIRMER not in t.user_attrs]
+    parts = []
+    if measuring:
+        parts.append(f"trial{'s' if len(measuring) > 1 else ''} {', '.join(map(str, measuring))} running")
+    if any(CONFIRMER in t.user_attrs for t in running if t not in left):
+        parts.append("a confirmation running")
+    queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    if queued:
+        parts.append(f"{queued} queued")
+    if left:
+        parts.append(f"{len(left)} left running by a run that ended")
+    return ", ".join(parts) or None
+
+
 def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
     """Why the sampler's proposal in this trial was not measured; None for a measurement, a
     running trial or a confirmation phase's claim (`_claim_confirmation`)."""

@@ -704,6 +704,33 @@ def test_export_of_a_study_stopped_in_its_calibration_says_the_guard_was_not_cal
     assert proc.returncode == 1 and not (tmp_path / "p.yaml").exists()
 
 
+def test_export_of_a_study_still_running_says_so_in_its_profile(tmp_path):
+    """Exported while a run measures trial 2, the profile held 2 of the study's trials and said
+    only "exported from the stored study"; it now says which trials were running."""
+    import yaml
+
+    from helpers import run_cli
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    exported = []
+
+    def measure(req, trial_dir, tick):
+        if not exported and trial_dir.name == "trial-00002":  # while trial 2 runs
+            exported.append(run_cli("export", "--study-name", "s", "--storage", url, "-o", tmp_path / "p.yaml",
+                                    cwd=tmp_path))
+        return {"status": "ok", "latency_s": 1.0 if req["config"]["dtype"] == "float32" else 0.5,
+                "peak_memory_bytes": 500 * MiB}
+
+    study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=3, confirm_rounds=0), measure=measure)
+    proc = exported[0]
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: study s is not finished (trial 2 running): the profile holds the trials measured so far" \
+        in proc.stdout
+    held = yaml.safe_load((tmp_path / "p.yaml").read_text())["study"]
+    assert held["trials"] == 2 and held["stop_reason"] == "exported from the stored study before it finished " \
+        "(trial 2 running)"
+
+
 @pytest.mark.parametrize("url, shown", [
     ("postgresql://me:secret@db:5432/autotune", "postgresql://me:***@db:5432/autotune"),
     ("postgresql+psycopg://me:p%40ss@db/autotune", "postgresql+psycopg://me:***@db/autotune"),
