@@ -783,7 +783,12 @@ def _profile_command(argv: list[str]) -> int:
     from .profile import load_profile
 
     command = argv[0]
-    p = _Parser(prog=f"autotune {command}")
+    descriptions = {
+        "show": "print a profile: its model, workload, budget, machine, best configuration and front",
+        "verify": "replay a profile in a fresh process, as production loads it, and compare its latency and "
+                  "peak memory with the recorded ones",
+    }
+    p = _Parser(prog=f"autotune {command}", description=descriptions[command])
     p.add_argument("profile", type=Path)
     if command == "verify":
         p.add_argument("--device", help="where to replay it (default: where it was measured)")

@@ -811,3 +811,12 @@ def test_a_warning_reaches_the_user_as_one_line():
     code = "from autotune import cli; cli._quiet_libraries(); import warnings; warnings.warn('profiled elsewhere')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr == "autotune: warning: profiled elsewhere\n"
+
+
+@pytest.mark.parametrize("command", ["show", "verify", "export", "report"])
+def test_each_command_says_what_it_does_in_its_help(command):
+    # show and verify had a usage line and nothing else
+    proc = run_cli(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    paragraphs = proc.stdout.split("\n\n")
+    assert len(paragraphs) > 2 and not paragraphs[1].lstrip().startswith(("positional", "options")), proc.stdout
