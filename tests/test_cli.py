@@ -551,7 +551,7 @@ def write_profile(path, device="cpu", budget="2GB", margin="5%"):
         "budget": {"memory_bytes": budget_bytes, "margin": margin, "margin_bytes": parse_margin(margin, budget_bytes)},
         "measurement": {"threads": 1, "timed_calls_max": 3, "spread_limit": 0.5},
         "machine": {**fingerprint.machine("cpu"), "device": device}, "software": fingerprint.software(),
-        "best": point, "pareto": [point],
+        "best": point, "pareto": [point], "study": {"name": "written-by-hand", "choice": None},
     }, sort_keys=False))
     return path
 
