@@ -5,8 +5,9 @@
     report.plot_fronts(studies)            # a matplotlib Figure: feasible Pareto fronts, budgets
     report.write_report(studies, "out/")   # every chart as PNG, and index.html listing them
 
-A source is `NAME@STORAGE_URL` (one study), a bare storage URL (every study in it), or a profile
-file (its best, baseline and front; its study's trials too when the storage it names is found).
+A source is `NAME@STORAGE_URL` (one study), a bare storage URL (every study in it), a SQLite file
+(the same as its sqlite:/// URL), or a profile file (its best, baseline and front; its study's
+trials too when the storage it names is found). A file or study given twice is compared once.
 The notebook notebooks/compare_studies.ipynb calls these functions; so does `autotune report`.
 
 Charts are `matplotlib.figure.Figure` objects made without pyplot: no global state, no GUI
@@ -24,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import AutotuneError, os_reason
-from .storages import DEFAULT_WORKDIR, default_storage, open_storage, storage_file, with_storage_file
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, default_storage, display_url, open_storage,
+                       sqlite_url, storage_file, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -77,6 +79,7 @@ class Span:
     start_s: float
     end_s: float
     kind: str  # a CLASS_COLORS key
+    cut: bool = False  # given up as stale, no heartbeat recorded: drawn to the next trial's start
 
 
 @dataclass
@@ -168,21 +171,79 @@ def _timeline(trials) -> list[Span]:
     if not starts:
         return []
     t0: datetime = min(starts)
+    # Optuna's retry of a trial given up as stale lists it (RetryHeartbeatStaleTrialCallback;
+    # "failed_trial" names only the first of a chain of retries)
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
     spans = []
     for t in trials:
         kind = trial_class(t)
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
-        spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(),
-                          (t.datetime_complete - t0).total_seconds(), kind))
+        end, cut = t.datetime_complete, False
+        if kind == "interrupted":
+            end, cut = _stale_end(t, retried, starts)
+        spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(), (end - t0).total_seconds(), kind, cut))
     return spans
 
 
+def _stale_end(t, retried: set, starts: list[datetime]) -> tuple[datetime, bool]:
+    """Where a failed trial ended, and whether that is a guess (cut). A trial whose run was
+    killed (SIGKILL) stays RUNNING until a later run gives it up as stale: its datetime_complete
+    is that later moment, and its bar overlapped the later run's trials. It ended at its last
+    heartbeat where one is recorded (heartbeat_at: journal storages); else it is cut at the next
+    trial's start, which its killed run did not make (the latest it can have ended, alone)."""
+    beat = t.user_attrs.get("heartbeat_at")
+    complete = t.datetime_complete
+    if beat is not None and complete.timestamp() - beat > 2 * HEARTBEAT_S:  # dead before failed
+        return min(max(datetime.fromtimestamp(beat), t.datetime_start), complete), False
+    if t.number not in retried or beat is not None:
+        return complete, False  # stopped by its own run (Ctrl-C): failed as it ended
+    return min([complete, *(s for s in starts if s > t.datetime_start)]), True
+
+
+SQLITE_HEADER = b"SQLite format 3\0"
+
+
 def _open_storage(url: str):
+    import optuna
+
+    path = storage_file(url)
+    if path is not None and not url.startswith("journal:") and path.is_file() and not _has_optuna_tables(path):
+        # Opening it as a storage would create Optuna's tables in it (a 0-byte file grew to
+        # 112 KiB): a report only reads, and an empty storage holds no studies.
+        return optuna.storages.InMemoryStorage()
     try:
         return open_storage(url, existing=True)  # a missing file is an error, not created
     except AutotuneError as exc:
         raise ReportError(str(exc)) from None
+
+
+def _has_optuna_tables(path: Path) -> bool:
+    """Whether the SQLite file `path` holds Optuna's tables, read without writing to it; a file
+    that is no database counts as holding them, so that opening it says what it is."""
+    import sqlite3
+    from contextlib import closing
+
+    if path.stat().st_size == 0:
+        return False
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'studies'").fetchone()
+            return found is not None
+    except sqlite3.DatabaseError:
+        return True
+
+
+def _is_sqlite_file(text: str) -> bool:
+    """A path that names a SQLite database: one ending .db, or a file that begins as one does."""
+    path = Path(text)
+    if text.endswith(".db"):
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    except OSError:
+        return False
 
 
 def load_study(url: str, name: str, label: str | None = None) -> StudyData:
@@ -196,11 +257,12 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
         known = [s.study_name for s in storage.get_all_studies()]
-        raise ReportError(f"storage {url}: no study named '{name}' (it holds: "
+        raise ReportError(f"storage {display_url(url)}: no study named '{name}' (it holds: "
                           f"{', '.join(known) or 'none'})") from None
     request = study.user_attrs.get("request")
     if not isinstance(request, dict):
-        raise ReportError(f"storage {url}: study '{name}' was not made by autotune (it records no request)")
+        raise ReportError(f"storage {display_url(url)}: study '{name}' was not made by autotune "
+                          "(it records no request)")
     outcome = summarize(study)
     measured = {r.number for r in outcome.records}
     trials = study.get_trials(deepcopy=False)
@@ -251,7 +313,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
             data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
             data.image_root, data.storage = measured.image_root, url
     else:
-        data.notes.append(f"{path.name}: its study storage {study.get('storage')} is not here: "
+        data.notes.append(f"{path.name}: its study storage {display_url(str(study.get('storage')))} is not here: "
                           "front and best from the profile only, no timeline or knob importance")
     if not data.points:  # the profile's own points stand in for the measurements
         data.points = [p for p in [data.baseline, *data.front] if p]
@@ -277,47 +339,115 @@ def _is_url(text: str) -> bool:
 
 def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
     """Studies to compare, from `sources`: a list, or one string of entries separated by spaces
-    or newlines; each `NAME@STORAGE_URL`, a storage URL (all its studies), or a profile path.
-    `studies` names studies in `storage` (default: default_storage()) besides."""
+    or newlines; each `NAME@STORAGE_URL`, a storage URL (all its studies), a SQLite file (the
+    same), or a profile path. `studies` names studies in `storage` (default: default_storage())
+    besides. A profile file or a study given twice is compared once."""
     if isinstance(sources, str):
         sources = sources.split()
-    sources = list(sources or [])
+    sources = [str(s) for s in sources or []]
+    if storage is not None and not _is_url(storage):
+        # always a storage, never a profile: a path gets the URL to write (open_storage's line)
+        _storage_path_error(storage)
     out: list[StudyData] = []
     for name in studies or []:
         sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
                        f"{name}@{storage or default_storage()}")
     if storage and not studies:
         sources.append(storage)
+    seen: dict[tuple, StudyData] = {}  # what the sources resolved to: profile files, studies
+
+    def add(keys: list[tuple], entry: str, read) -> None:
+        # A source that resolves to a profile file or a study read already (a path and ./path, a
+        # storage and one of its studies, a profile and its study) is not compared with itself.
+        twin = next((seen[k] for k in keys if k in seen), None)
+        if twin is None:
+            data = read()
+            keys = [*keys, *_resolved(data)]
+            twin = next((seen[k] for k in keys if k in seen), None)
+            if twin is None:
+                seen.update(dict.fromkeys(keys, data))
+                out.append(data)
+                return
+        note = f"{twin.name}: given again ({entry}), compared once"
+        if note not in twin.notes:
+            twin.notes.append(note)
+
     for entry in sources:
-        entry = str(entry)
         name, _, url = entry.partition("@")
+        url = _as_url(url)
         if url and _is_url(url):
-            out.append(load_study(url, name))
-        elif _is_url(entry):
+            add([], f"{name}@{display_url(url)}", lambda: load_study(url, name))
+        elif _is_url(_as_url(entry)):
+            entry = _as_url(entry)
             # autotune's studies only: a storage may hold other Optuna studies beside them
             names = [s.study_name for s in _open_storage(entry).get_all_studies() if "request" in s.user_attrs]
             if not names:
-                raise ReportError(f"storage {entry}: it holds no study made by autotune")
-            out.extend(load_study(entry, n) for n in names)
+                raise ReportError(f"storage {display_url(entry)}: it holds no study made by autotune")
+            for n in names:
+                add([_study_key(entry, n)], display_url(entry), lambda n=n: load_study(entry, n))
         elif entry.endswith((".yaml", ".yml")) or Path(entry).is_file():
-            out.append(load_profile_source(entry))
+            add([("profile", Path(entry).resolve())], entry, lambda: load_profile_source(entry))
         else:
             raise ReportError(f"'{entry}': expected NAME@STORAGE_URL, a storage URL "
-                              "(sqlite:///FILE, journal:FILE, ...) or a profile file")
+                              "(sqlite:///FILE, journal:FILE, ...), a SQLite file or a profile file")
     if not out:
         raise ReportError("nothing to compare: give studies (NAME@STORAGE_URL), a storage or profiles")
     _label(out)
     return out
 
 
+def _as_url(text: str) -> str:
+    """A source that names a SQLite file (x.db) as its storage URL: the sources name storages
+    and profiles, and a database file is never a profile."""
+    return sqlite_url(Path(text)) if text and not _is_url(text) and _is_sqlite_file(text) else text
+
+
+def _study_key(url: str, name: str) -> tuple:
+    """What a study source resolves to: its storage file (however the path is written) and name."""
+    path = storage_file(url)
+    return ("study", str(path.resolve()) if path else url, name)
+
+
+def _resolved(data: StudyData) -> list[tuple]:
+    """The study a loaded source is (a profile's: the one it records)."""
+    return [_study_key(data.storage, data.name)] if data.storage else []
+
+
+def _storage_path_error(value: str) -> None:
+    """--storage given a path: one line with the URL to write (a SQLite file's only, when the
+    file is one)."""
+    if Path(value).is_file() and _is_sqlite_file(value):
+        raise ReportError(f"storage {value}: not a storage URL; for a SQLite file write {sqlite_url(Path(value))}")
+    _open_storage(value)  # open_storage's line: the SQLite and the journal URL
+    raise ReportError(f"storage {value}: not a storage URL (sqlite:///FILE, journal:FILE, ...)")
+
+
+# How a label names a workload that differs between studies: size and steps as one phrase.
+WORKLOAD_PARTS = (
+    (("height", "width", "steps"), lambda w: f"{w.get('height')}x{w.get('width')} {w.get('steps')} steps"),
+    (("batch_size",), lambda w: f"batch {w.get('batch_size')}"),
+    (("seed",), lambda w: f"seed {w.get('seed')}"),
+)
+
+
 def _label(studies: list[StudyData]) -> None:
-    """Short, distinct labels: model, budget, device; the study name where those collide."""
+    """Short, distinct labels: model, budget, device; then the workload where only it differs
+    (names of nine studies that differ by steps alone told less); the study name where those
+    collide too."""
     from .sizes import short_size
 
     for s in studies:
         if not s.label:
             budget = short_size(s.budget_bytes) if s.budget_bytes else "?"
             s.label = f"{s.model.get('name', '?')} {budget} {s.device}"
+    groups: dict[str, list[StudyData]] = {}
+    for s in studies:
+        groups.setdefault(s.label, []).append(s)
+    for group in groups.values():
+        parts = [fmt for keys, fmt in WORKLOAD_PARTS
+                 if len({tuple(s.workload.get(k) for k in keys) for s in group}) > 1]
+        for s in group if parts else []:
+            s.label = f"{s.label} {' '.join(fmt(s.workload) for fmt in parts)}"
     seen: dict[str, int] = {}
     for s in studies:
         seen[s.label] = seen.get(s.label, 0) + 1
@@ -514,7 +644,11 @@ def plot_best_vs_budget(studies: list[StudyData]):
     unit, scale = memory_unit([edge])
     for s, color in zip(studies, _colors(len(studies))):
         if not s.front:
-            ax.plot([], [], color=color, label=f"{s.label}: nothing fits")
+            # dotted like every measurement over a budget, as the title says (it drew nothing)
+            over = _unbudgeted_front(s.points)
+            ax.plot([p.peak_memory_bytes / scale for p in over], [p.latency_s for p in over], color=color,
+                    ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
+                    label=f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
             continue
         right = min(s.budget_bytes or edge, edge)
         xs = [p.peak_memory_bytes for p in s.front] + [max(right, s.front[-1].peak_memory_bytes)]
@@ -616,7 +750,7 @@ def plot_importances(studies: list[StudyData]):
     # The notes get their own strip below the axes: in a fixed-height figure, a dozen of them
     # squeezed the axes to nothing (matplotlib warned that constrained_layout collapsed).
     notes_height = 0.14 * len(notes) + 0.15 if notes else 0  # inches: 8-point lines
-    fig = _figure(10, 5 + notes_height)
+    fig = _figure(12 if knobs else 10, 5 + notes_height)  # wider for the legend, right of the axes
     axes = fig.subplots(1, 2, sharey=True)
     colors = _colors(len(studies))
     height = 0.8 / max(1, len(studies))
@@ -639,7 +773,9 @@ def plot_importances(studies: list[StudyData]):
         handles, labels = axes[0].get_legend_handles_labels()
         if not handles:
             handles, labels = axes[1].get_legend_handles_labels()
-        axes[1].legend(handles, labels, fontsize=8, loc="lower right")
+        # right of the axes (constrained layout makes room): inside them, a dozen studies'
+        # entries covered the bars; a figure legend would cover the notes or the title
+        axes[1].legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     else:
         axes[0].set_yticks([])
     if notes:
@@ -660,17 +796,23 @@ def plot_timeline(studies: list[StudyData]):
     total: dict[str, int] = {}
     longest = max([sp.end_s for s in studies for sp in s.timeline] or [1.0])
     tick = longest / 400  # instantaneous trials (duplicates, forbidden) stay visible
+    cut = 0
     for row, s in enumerate(studies):
         for sp in s.timeline:
             total[sp.kind] = total.get(sp.kind, 0) + 1
+            cut += sp.cut
             patch = ax.barh(row, max(sp.end_s - sp.start_s, tick), left=sp.start_s, height=0.6,
-                            color=CLASS_COLORS[sp.kind], edgecolor="white", linewidth=0.5)
-            patch.patches[0].set_gid(f"trial:{s.label}:{sp.trial}:{sp.kind}")
+                            color=CLASS_COLORS[sp.kind], edgecolor="white", linewidth=0.5,
+                            hatch="///" if sp.cut else None)
+            patch.patches[0].set_gid(f"trial:{s.label}:{sp.trial}:{sp.kind}" + (":cut" if sp.cut else ""))
         if not s.timeline:
             ax.text(0, row, "  no trials here (a profile without its study)", va="center", fontsize=8)
     from matplotlib.patches import Patch
 
     handles = [Patch(color=CLASS_COLORS[k], label=f"{k} ({total[k]})") for k in CLASS_COLORS if k in total]
+    if cut:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                             label=f"cut: run killed, end unknown ({cut})"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     ticks = [f"{s.label}\n{_count(len(s.timeline), 'trial')}, "
              f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
@@ -737,8 +879,9 @@ def overview_html(studies: list[StudyData]) -> str:
     items = []
     for s in studies:
         counts = ", ".join(f"{k} {n}" for k, n in sorted(s.counts.items())) or "no trials"
+        where = display_url(s.storage) if s.storage else "no storage"  # never a password
         items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "
-                     f"{html.escape(str(s.storage))} ({s.source}); {html.escape(counts)}</li>")
+                     f"{html.escape(where)} ({s.source}); {html.escape(counts)}</li>")
     notes = [n for s in studies for n in s.notes]
     notes += [note for s in _charted(studies) for note in [knob_importance(s, "latency")[1]] if note]
     note_html = "".join(f"<li>{html.escape(n)}</li>" for n in dict.fromkeys(notes))
@@ -839,7 +982,7 @@ def main(argv: list[str]) -> int:
         "autotune report a.yaml b.yaml --out report/",
     )
     p.add_argument("sources", nargs="*", metavar="SOURCE",
-                   help="a profile file, NAME@STORAGE_URL, or a storage URL (all its studies)")
+                   help="a profile file, NAME@STORAGE_URL, or a storage URL or SQLite file (all its studies)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=Path,
@@ -854,7 +997,13 @@ def main(argv: list[str]) -> int:
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
     if not sources and not args.study and not storage:
         storage = default_storage()  # every study in the default storage
-    studies = load(sources, storage=storage, studies=args.study)
+    try:
+        studies = load(sources, storage=storage, studies=args.study)
+    except ReportError as exc:
+        # export's hint, where the storage missing is the default one, not one named
+        if not args.storage and not args.workdir and str(exc).startswith(f"storage {default_storage()}: no such file"):
+            raise ReportError(f"{exc} (tuned with --workdir? give the same here)") from None
+        raise
     written = write_report(studies, args.out, title=args.title)
     for s in studies:
         for note in s.notes:

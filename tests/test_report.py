@@ -214,20 +214,29 @@ def test_report_command_writes_the_charts_and_an_index(studies, tmp_path):
         (["missing.yaml", "--out", "o"], "no such file"),
         (["what-is-this", "--out", "o"], "expected NAME@STORAGE_URL"),
         (["--storage", "{url}"], "required: --out"),
+        # a path given to --storage is a storage, never a profile ("not UTF-8 text" before)
+        (["--storage", "{path}", "--out", "o"], "storage {path}: not a storage URL; for a SQLite file write {url}"),
+        (["--storage", "{path}", "--study", "roomy", "--out", "o"], "for a SQLite file write {url}"),
+        # no storage in this folder: export's hint, said only where the storage was not named
+        (["--out", "o"], "no such file autotune-studies/studies.db (tuned with --workdir? give the same here)"),
+        (["--study", "roomy", "--out", "o"], "(tuned with --workdir? give the same here)"),
     ],
 )
 def test_report_bad_input_is_one_line(studies, tmp_path, args, message):
     folder, url = studies
-    proc = run_cli("report", *[a.format(url=url) for a in args], cwd=tmp_path)
+    path = url[len("sqlite:///"):]
+    proc = run_cli("report", *[a.format(url=url, path=path) for a in args], cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert len(lines) == 1 and message.format(url=url, path=path) in lines[0], proc.stderr
+    assert "--workdir" not in lines[0] or "--storage" not in args
 
 
 # ---- images and failure classes: a study written here, with what the worker records ----------
-def synthetic_study(tmp_path, images):
+def synthetic_study(tmp_path, images, fits=True):
     """A study in a SQLite file, shaped as study.tune writes it: a baseline, a faster config, an
-    out-of-memory trial, a forbidden one; `images` maps trial number to a result["image"]."""
+    out-of-memory trial, a forbidden one; `images` maps trial number to a result["image"].
+    `fits=False`: the two measured configs are over the budget."""
     url = f"sqlite:///{tmp_path / 'db' / 's.db'}"
     (tmp_path / "db").mkdir(exist_ok=True)
     study = optuna.create_study(study_name="synthetic", storage=url)
@@ -249,7 +258,8 @@ def synthetic_study(tmp_path, images):
         trial = optuna.trial.create_trial(
             params={"dtype": dtype}, distributions=dist, value=latency if latency else float("inf"),
             user_attrs={"config": {"dtype": dtype, **base}, "result": result, "baseline": is_base,
-                        "violation": -0.5 if status == "ok" else 1.0},
+                        "violation": -0.5 if status == "ok" and fits else 1.0,
+                        "violations": {"memory": -0.5 if status == "ok" and fits else 1.0}},
         )
         trial.datetime_start, trial.datetime_complete = t0 + timedelta(seconds=10 * n), t0 + timedelta(seconds=10 * n + 7)
         study.add_trial(trial)
@@ -399,3 +409,208 @@ def test_a_storage_with_only_a_stopped_study_reports_it_without_charts(tmp_path)
     assert "wrote 0 charts" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]
     assert "<td>no trials measured</td>" in (tmp_path / "out" / "index.html").read_text()
+
+
+# ---- sources: storages given as paths, files a report must not write, the same source twice ----
+def test_a_sqlite_file_is_read_as_its_storage_and_never_written_when_it_holds_no_study(tmp_path):
+    # a .db path was read as a profile ("not UTF-8 text"); a 0-byte file got Optuna's tables
+    # (112 KiB written by a report that only reads)
+    import sqlite3
+    from autotune import report
+    from autotune.storages import sqlite_url
+
+    synthetic_study(tmp_path, {})
+    db = tmp_path / "db" / "s.db"
+    for source in [str(db), f"synthetic@{db}", sqlite_url(db)]:
+        assert [s.name for s in report.load(source)] == ["synthetic"], source
+    renamed = tmp_path / "studies.sqlite"  # no .db: the SQLite header tells
+    renamed.write_bytes(db.read_bytes())
+    assert [s.name for s in report.load(str(renamed))] == ["synthetic"]
+    with pytest.raises(report.ReportError, match=r"not a storage URL; for a SQLite file write sqlite:///"):
+        report.load([], storage=str(db))
+
+    zero = tmp_path / "zero.db"
+    zero.write_bytes(b"")
+    foreign = tmp_path / "foreign.db"  # another program's database
+    with sqlite3.connect(foreign) as con:
+        con.execute("CREATE TABLE notes (text TEXT)")
+    before = foreign.read_bytes()
+    for source, message in [
+        (f"sqlite:///{zero}", "it holds no study made by autotune"),
+        (str(zero), "it holds no study made by autotune"),
+        (f"x@sqlite:///{zero}", "no study named 'x' (it holds: none)"),
+        (f"sqlite:///{foreign}", "it holds no study made by autotune"),
+        (f"sqlite:///{tmp_path / 'missing.db'}", "no such file"),
+    ]:
+        with pytest.raises(report.ReportError, match=re.escape(message)):
+            report.load(source)
+    assert zero.read_bytes() == b"" and foreign.read_bytes() == before
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_the_same_profile_or_study_given_twice_is_compared_once(studies, tmp_path, monkeypatch):
+    # it was compared with itself, as "#1" and "#2"
+    from autotune import report
+
+    folder, url = studies
+    monkeypatch.chdir(folder)
+    loaded = report.load(["roomy.yaml", str(folder / "roomy.yaml"), "./roomy.yaml", f"roomy@{url}",
+                          f"roomy@sqlite:///{folder}/./studies.db", "tight@studies.db", url])
+    assert [(s.name, s.source) for s in loaded] == [("roomy", "profile"), ("tight", "study")]
+    assert [s.label for s in loaded] == ["tiny-sd15 2GB cpu", "tiny-sd15 400MB cpu"]
+    assert "roomy: given again (./roomy.yaml), compared once" in loaded[0].notes
+
+
+def test_a_storage_password_is_masked_in_the_report(studies, tmp_path):
+    # a profile that records a database server's URL (as written before profiles masked it)
+    from autotune import report
+
+    folder, _ = studies
+    text = (folder / "roomy.yaml").read_text()
+    recorded = re.search(r"storage: (\S+)", text).group(1)
+    profile = tmp_path / "server.yaml"
+    profile.write_text(text.replace(recorded, "postgresql://tuner:hunter2@127.0.0.1:1/studies"))
+    loaded = report.load([str(profile)])
+    report.write_report(loaded, tmp_path / "out")
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert "tuner:***@127.0.0.1:1/studies" in index
+    assert "hunter2" not in index and "hunter2" not in " ".join(loaded[0].notes)
+
+
+# ---- charts: what they draw matches what they say ---------------------------------------------
+def test_best_vs_budget_draws_a_study_where_nothing_fits_dotted_as_its_title_says(tmp_path):
+    # it drew nothing but a legend entry, under "dotted: measured over the budget"
+    from autotune import report
+
+    (study,) = report.load(synthetic_study(tmp_path, {}, fits=False))
+    assert study.best is None and not study.front
+    fig = report.plot_best_vs_budget([study])
+    ax = fig.axes[0]
+    assert "dotted: measured over the budget" in ax.get_title()
+    (line,) = [ln for ln in ax.lines if ln.get_gid() == f"over-budget:{study.label}"]
+    assert line.get_linestyle() == ":"
+    # the fastest measurement at each peak, the budget ignored: 500 MiB at 1.0 s beats 600 MiB at 2.0 s
+    assert list(line.get_xdata()) == [500] and list(line.get_ydata()) == [1.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{study.label}: nothing fits"]
+
+
+def test_a_trial_given_up_as_stale_is_drawn_only_while_it_ran(tmp_path):
+    # A run killed (SIGKILL) left its trial RUNNING; the next run measured, then failed it as
+    # stale and retried it: its bar ran to that moment, over the next run's trials.
+    import time
+
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's: heartbeats are experimental, and meant for optimize()
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2)
+        storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=1,
+                                             heartbeat_stale_trial_callback=retry)
+        study = optuna.create_study(study_name="killed", storage=storage)
+        study.set_user_attr("request", REQUEST)
+        killed = study.ask(dist)
+        storage.record_heartbeat(killed._trial_id)  # then SIGKILL: no more heartbeats
+        resumed = study.ask(dist)  # the next run's first trial
+        tell_ok(study, resumed, 1.0)
+        # the next run gives it up once its heartbeat (SQLite: whole seconds) is over 1 s old,
+        # and Optuna retries it
+        deadline = time.time() + 10
+        while study.get_trials()[0].state == TrialState.RUNNING and time.time() < deadline:
+            time.sleep(0.25)
+            optuna.storages.fail_stale_trials(study)
+    trials = study.get_trials()
+    assert trials[0].state == TrialState.FAIL and trials[2].system_attrs["failed_trial"] == 0
+    assert trials[0].datetime_complete > trials[1].datetime_complete
+
+    # a journal storage records heartbeat_at: the trial ended there
+    journal = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.log")))
+    other = optuna.create_study(study_name="beats", storage=journal)
+    other.set_user_attr("request", REQUEST)
+    t0 = datetime(2026, 1, 1, 12)
+    dead = optuna.trial.create_trial(params={"dtype": "float32"}, distributions=dist, state=TrialState.FAIL,
+                                     user_attrs={"heartbeat_at": (t0 + timedelta(seconds=15)).timestamp()})
+    dead.datetime_start, dead.datetime_complete = t0, t0 + timedelta(seconds=60)
+    stopped = optuna.trial.create_trial(params={"dtype": "bfloat16"}, distributions=dist, state=TrialState.FAIL,
+                                        user_attrs={"heartbeat_at": (t0 + timedelta(seconds=68)).timestamp()})
+    stopped.datetime_start, stopped.datetime_complete = t0 + timedelta(seconds=61), t0 + timedelta(seconds=70)
+    for t in (dead, stopped):
+        other.add_trial(t)
+
+    sqlite_run, journal_run = report.load([url, f"beats@journal:{tmp_path / 'j.log'}"])
+    spans = {sp.trial: sp for sp in sqlite_run.timeline}
+    assert spans[0].end_s <= spans[1].start_s and spans[0].cut  # no heartbeat kept: cut, hatched
+    spans = {sp.trial: sp for sp in journal_run.timeline}
+    assert (spans[0].end_s, spans[0].cut) == (15.0, False)  # its last heartbeat
+    assert (spans[1].end_s, spans[1].cut) == (70.0, False)  # Ctrl-C: it ran until it was failed
+    fig = report.plot_timeline([sqlite_run, journal_run])
+    (bar,) = [p for p in fig.axes[0].patches if p.get_gid() == f"trial:{sqlite_run.label}:0:interrupted:cut"]
+    assert bar.get_hatch() == "///"
+    assert "cut: run killed, end unknown (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+REQUEST = {"model": {"name": "tiny-sd15"}, "workload": {"height": 64, "width": 64, "steps": 1, "batch_size": 1,
+                                                        "seed": 0}, "budget_bytes": 2**30, "device": "cpu"}
+
+
+def tell_ok(study, trial, latency, peak=500 * 2**20):
+    """A measured trial, as study.tune records it."""
+    config = {"dtype": trial.params.get("dtype"), "attention": trial.params.get("attention", "sdpa")}
+    trial.set_user_attr("config", config)
+    trial.set_user_attr("result", {"status": "ok", "latency_s": latency, "peak_memory_bytes": peak})
+    trial.set_user_attr("violation", -0.5)
+    trial.set_user_attr("violations", {"memory": -0.5})
+    study.tell(trial, latency)
+
+
+def ranked_study(url, name, steps, trials=5):
+    """A study with enough measured trials to rank its knobs, of a workload of `steps` steps."""
+    study = optuna.create_study(study_name=name, storage=url)
+    study.set_user_attr("request", {**REQUEST, "workload": {**REQUEST["workload"], "steps": steps}})
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"]),
+            "attention": CategoricalDistribution(["sdpa", "sliced"])}
+    for n in range(trials):
+        trial = study.ask(dist)
+        tell_ok(study, trial, 1.0 + n * 0.1 + (trial.params["dtype"] == "float32"), (500 + 10 * n) * 2**20)
+
+
+def test_labels_name_the_workload_where_only_it_differs(tmp_path):
+    # they were the full study names: "tiny-sd15 2GB cpu [tiny-sd15-cpu-2GB-64x64-3s-b1-0becfa6b]"
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    for steps in (3, 4):
+        ranked_study(url, f"tiny-sd15-cpu-2GB-64x64-{steps}s", steps, trials=1)
+    ranked_study(url, "again-4s", 4, trials=1)  # the same workload: only the name tells them apart
+    labels = [s.label for s in report.load(url)]
+    assert labels == ["tiny-sd15 1GB cpu 64x64 3 steps",
+                      "tiny-sd15 1GB cpu 64x64 4 steps [tiny-sd15-cpu-2GB-64x64-4s]",
+                      "tiny-sd15 1GB cpu 64x64 4 steps [again-4s]"]
+
+
+def test_the_importance_legend_covers_no_bars_and_the_notes_show(tmp_path):
+    # with many studies the legend, inside the right panel, covered its bars
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    for steps in range(1, 7):
+        ranked_study(url, f"s{steps}", steps)
+    ranked_study(url, "few", 20, trials=2)  # too few to rank: a note
+    studies = report.load(url)
+    fig = report.plot_importances(studies)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legends = [*fig.legends, *[ax.get_legend() for ax in fig.axes if ax.get_legend()]]
+    assert len(legends) == 1 and len(legends[0].get_texts()) == 6
+    legend = legends[0].get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not legend.overlaps(ax.get_window_extent(renderer))
+    (notes,) = [t for t in fig.texts if t.get_gid() == "importance-notes"]
+    assert "64x64 20 steps: 2 successful trials" in notes.get_text()
+    box = notes.get_window_extent(renderer)
+    assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+    assert not box.overlaps(legend) and not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
