@@ -28,41 +28,62 @@ MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
 DEFAULT_WORKDIR = Path("autotune-studies")  # trial folders, compile cache and the default storage
 
 
-def this_process() -> dict | None:
-    """Who holds a trial, told so that a later run on the same machine can see it gone: the boot
-    (Linux's boot_id, one per machine and boot: two machines may share a host name), the PID
-    namespace (containers on one host), the PID and its start time (a PID in use again). None
-    where /proc cannot tell; such a trial waits out the heartbeat grace (GRACE_S)."""
-    import psutil
+def _proc_stat(pid: int) -> tuple[int, str] | None:
+    """A process's start in clock ticks after boot and its state letter, from /proc/PID/stat
+    (fields 22 and 3); None where it cannot be read. Ticks after boot, not psutil's
+    create_time: that one is wall-clock time and moves when the clock is set (NTP, a VM resumed),
+    which would make a live worker look like another process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        fields = text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        return int(fields[19]), fields[0]
+    except (OSError, ValueError, IndexError):
+        return None
 
+
+def this_process(trial_number: int) -> dict | None:
+    """Who holds trial `trial_number`, told so that a later run on the same machine can see it
+    gone: the boot (Linux's boot_id, one per machine and boot: two machines may share a host
+    name), the PID namespace (containers on one host), the PID and its start (a PID in use
+    again). The trial's number goes with it: Optuna's retry of a trial copies its attributes, and
+    the copy must not speak for the retry. None where /proc cannot tell; such a trial waits out
+    the heartbeat grace (GRACE_S)."""
+    stat = _proc_stat(os.getpid())
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino
-        started = psutil.Process().create_time()
-    except (OSError, psutil.Error):
+    except OSError:
         return None
-    return {"boot_id": boot, "pid_ns": namespace, "pid": os.getpid(), "started": started}
+    if stat is None:
+        return None
+    return {"trial": trial_number, "boot_id": boot, "pid_ns": namespace, "pid": os.getpid(), "start_ticks": stat[0]}
 
 
-def is_gone(holder: dict | None) -> bool:
-    """Whether the process `this_process()` described, on this machine, has ended (or is a zombie
-    its parent has not reaped): its RUNNING trial was orphaned, and need not wait out GRACE_S
-    (a resume after SIGKILL waited 20 s in silence). False when it cannot tell: another machine,
-    another container, or a process that still runs."""
-    import psutil
-
-    here = this_process()
-    if not isinstance(holder, dict) or here is None or any(holder.get(k) != here[k] for k in ("boot_id", "pid_ns")):
+def is_gone(holder: dict | None, trial_number: int) -> bool:
+    """Whether the process that `this_process(trial_number)` described, on this machine, has
+    ended (or is a zombie its parent has not reaped): its RUNNING trial was orphaned and need not
+    wait out GRACE_S (a resume after SIGKILL waited 20 s in silence). False whenever it cannot
+    tell: no record or another trial's, another machine or container, a process that runs, one
+    hidden from this user (/proc mounted hidepid)."""
+    if not isinstance(holder, dict) or holder.get("trial") != trial_number:
+        return False
+    here = this_process(trial_number)
+    if here is None or any(holder.get(k) != here[k] for k in ("boot_id", "pid_ns")):
+        return False
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
         return False
     try:
-        process = psutil.Process(holder["pid"])
-        if abs(process.create_time() - holder["started"]) > 0.01:
-            return True  # its PID is another process's now
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        os.kill(pid, 0)  # signal 0: only asks whether the PID exists
+    except ProcessLookupError:
         return True
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    stat = _proc_stat(pid)
+    if stat is None:
+        return False  # it exists, hidden from this user
+    start, state = stat
+    return start != holder.get("start_ticks") or state == "Z"
 
 
 def default_storage(workdir: Path | None = None) -> str:

@@ -41,7 +41,7 @@ from .space import SearchSpace, config_key
 from .workload import Workload
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
-PROCESS = "process"  # user attr: storages.this_process() of the worker holding a trial
+PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -230,14 +230,11 @@ def _fail_stale_trials(study: optuna.Study) -> None:
         journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            # A retried trial carries the dead one's heartbeat_at and process (Optuna's retry
-            # copies the user attributes) until its new worker writes its own, a moment after it
-            # takes it: its start is the fresher sign of life, and a trial younger than a
-            # heartbeat is left alone.
-            started = frozen.datetime_start.timestamp()
-            orphaned = now - started > storages.HEARTBEAT_S and storages.is_gone(frozen.user_attrs.get(PROCESS))
+            orphaned = _holder_gone(frozen)
             if journal and not orphaned:
-                beat = max(frozen.user_attrs.get("heartbeat_at", 0.0), started)
+                # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the
+                # user attributes): its own start is the fresher sign of life until it beats itself.
+                beat = max(frozen.user_attrs.get("heartbeat_at", 0.0), frozen.datetime_start.timestamp())
                 orphaned = now - beat >= storages.GRACE_S
             if not orphaned:
                 continue
@@ -246,6 +243,11 @@ def _fail_stale_trials(study: optuna.Study) -> None:
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker failed it first
             retry(study, storage.get_trial(frozen._trial_id))
+
+
+def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
+    """Whether the process of this machine that held this running trial has ended."""
+    return storages.is_gone(frozen.user_attrs.get(PROCESS), frozen.number)
 
 
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
@@ -326,7 +328,7 @@ def unfinished(study: optuna.Study) -> str | None:
     running or queued, a confirmation running, and trials left running by a process of this
     machine that has ended (the next run measures them again)."""
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    left = [t for t in running if storages.is_gone(t.user_attrs.get(PROCESS))]
+    left = [t for t in running if _holder_gone(t)]
     measuring = [t.number for t in running if t not in left and CONFIRMER not in t.user_attrs]
     parts = []
     if measuring:
@@ -744,12 +746,12 @@ def tune(
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask()
         _heartbeat(storage, trial)  # at once: a parent killed before its first tick leaves a stale trial
+        trial.set_user_attr(PROCESS, storages.this_process(trial.number))
         config = space.suggest(trial)
         key = config_key(config)
         trial.set_user_attr("config", config)
         trial.set_user_attr("config_key", key)
         trial.set_user_attr("worker", WORKER)
-        trial.set_user_attr(PROCESS, storages.this_process())
 
         forbidden = space.forbidden(config)
         if forbidden:
@@ -1020,12 +1022,13 @@ def _claim_confirmation(study: optuna.Study) -> optuna.Trial | None:
     template = optuna.trial.create_trial(
         state=TrialState.RUNNING,
         # the journal's heartbeat is an attribute: written with the claim, never missing
-        user_attrs={CONFIRMER: WORKER, PROCESS: storages.this_process(), "heartbeat_at": time.time()},
+        user_attrs={CONFIRMER: WORKER, "heartbeat_at": time.time()},
         # A full retry history: the stale-trial callback must not queue a claim again as a trial.
         system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)},
     )
     trial = optuna.Trial(study, storage.create_new_trial(study._study_id, template_trial=template))
     _heartbeat(storage, trial)  # RDB storages: their own heartbeat table
+    trial.set_user_attr(PROCESS, storages.this_process(trial.number))
     if _confirmers(study)[0] != trial.number:
         study.tell(trial, state=TrialState.FAIL)
         return None

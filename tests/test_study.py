@@ -156,43 +156,61 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])
-def test_a_trial_whose_process_on_this_machine_has_ended_is_queued_again_at_once(tmp_path, monkeypatch, kind):
+def test_a_trial_whose_process_on_this_machine_has_ended_is_queued_again_at_once(tmp_path, kind):
     """A run killed with SIGKILL left its trial RUNNING; the next run on this machine waited out
     the heartbeat grace (20 s) before it went on. Its process is gone, so it need not wait, for
-    any storage. A trial held by a process that runs is left alone, and so is a retry a worker
-    took a moment ago, which still carries the dead holder's attributes until it writes its own."""
+    any storage. A trial held by a process that runs is left alone, and so is the retry of the
+    dead one's trial: it carries the dead holder's record (Optuna's retry copies the attributes)
+    until its new worker writes its own, and the record names the trial it was written for."""
     import subprocess
     import sys
 
     import optuna
-    import psutil
     from optuna.trial import TrialState
 
     storage = f"journal:{tmp_path / 'journal.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
     shared, _ = study.open_study(storage, "s")
     ended = subprocess.Popen([sys.executable, "-c", "pass"])  # a worker that has ended since
-    gone = {**storages.this_process(), "pid": ended.pid, "started": psutil.Process(ended.pid).create_time()}
-    ended.wait()
+    ended_start = storages._proc_stat(ended.pid)[0]  # readable until it is waited for
     distribution = {"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])}
-    for holder in (gone, storages.this_process()):
+    for holder in ("ended", "this process"):
         trial = shared.ask(distribution)
         study._heartbeat(shared._storage, trial)
-        trial.set_user_attr(study.PROCESS, holder)
-
-    now = time.time
-
-    def a_heartbeat_later():  # heartbeats stay far from the grace (GRACE_S): only the process tells
-        return now() + storages.HEARTBEAT_S + 1
-
-    monkeypatch.setattr(time, "time", a_heartbeat_later)
-    study._fail_stale_trials(shared)
+        record = storages.this_process(trial.number)
+        if holder == "ended":
+            record |= {"pid": ended.pid, "start_ticks": ended_start}
+        trial.set_user_attr(study.PROCESS, record)
+    ended.wait()
+    study._fail_stale_trials(shared)  # heartbeats are fresh: only the process tells
     assert [t.state for t in shared.trials] == [TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING]
 
-    monkeypatch.setattr(time, "time", now)
-    retry = shared.ask(distribution)  # taken just now, with the dead holder's attributes copied
-    assert shared.trials[retry.number].user_attrs[study.PROCESS] == gone
+    retry = shared.ask(distribution)
+    assert shared.trials[retry.number].user_attrs[study.PROCESS]["pid"] == ended.pid  # the copy
     study._fail_stale_trials(shared)
     assert shared.trials[retry.number].state == TrialState.RUNNING
+
+
+def test_whether_a_trials_process_is_gone():
+    import os
+    import subprocess
+    import sys
+
+    here = storages.this_process(7)
+    assert here["trial"] == 7 and here["pid"] == os.getpid()
+    assert not storages.is_gone(here, 7)  # this process runs
+    assert not storages.is_gone(here | {"pid": 2**22 + 12345}, 8)  # another trial's record
+    assert not storages.is_gone(None, 7) and not storages.is_gone({"trial": 7}, 7)  # no record: cannot tell
+    assert not storages.is_gone(here | {"boot_id": "another machine", "pid": 2**22 + 12345}, 7)
+    assert not storages.is_gone(here | {"pid_ns": 1, "pid": 2**22 + 12345}, 7)  # another container
+    assert storages.is_gone(here | {"start_ticks": here["start_ticks"] - 1}, 7)  # its PID is another's now
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    record = here | {"pid": zombie.pid, "start_ticks": storages._proc_stat(zombie.pid)[0]}
+    deadline = time.monotonic() + 30
+    while storages._proc_stat(zombie.pid)[1] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)  # exited, not yet reaped
+    assert storages.is_gone(record, 7)
+    zombie.wait()
+    assert storages.is_gone(record, 7)  # reaped: no such PID
 
 
 def measure_with_outputs(latency_of):
