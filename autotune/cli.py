@@ -78,7 +78,7 @@ def _margin(text: str) -> str:
         raise argparse.ArgumentTypeError(f"margin '{text}' is negative: it is memory kept free under "
                                          "the budget (examples: 5%, 512MB, 0)")
     try:
-        parse_margin(text, 2**30)  # checked here, turned into bytes once the budget is known
+        parse_margin(text, 2**30, typed=True)  # checked here, turned into bytes once the budget is known
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -34,8 +34,10 @@ def parse_budget(text: str) -> int:
     return size
 
 
-def parse_margin(text: str, budget: int) -> int:
-    """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0")."""
+def parse_margin(text: str, budget: int, typed: bool = False) -> int:
+    """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0").
+    `typed`: the text is what a user typed (--margin), where a bare number other than 0 is
+    refused, as a budget's is; a margin stored by an earlier autotune is read as it was."""
     text = str(text).strip()
     if text.endswith("%"):
         try:
@@ -48,7 +50,7 @@ def parse_margin(text: str, budget: int) -> int:
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit
         return 0
-    if re.fullmatch(r"[\d.]+", text):  # "5" would be 5 bytes, no margin at all: as parse_budget
+    if typed and re.fullmatch(r"[\d.]+", text):  # "5" would be 5 bytes, no margin at all
         raise ValueError(f"'{text}' has no unit: did you mean {text}% or {text}GB? "
                          "(examples: 5%, 512MB, 0; B for bytes)")
     try:

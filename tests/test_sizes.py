@@ -67,12 +67,14 @@ def test_rejects_bad_margins(text):
         parse_margin(text, 2**30)
 
 
-def test_a_margin_other_than_zero_needs_its_unit():
+def test_a_typed_margin_other_than_zero_needs_its_unit():
     # "--margin 5" was 5 bytes: no margin at all, said as "a margin of 5 (5 B)"
-    assert parse_margin("512B", 2**30) == 512
+    assert parse_margin("512B", 2**30, typed=True) == 512 and parse_margin("0", 2**30, typed=True) == 0
     for text in ("5", "5.5"):
         with pytest.raises(ValueError, match=f"'{text}' has no unit: did you mean {text}% or {text}GB"):
-            parse_margin(text, 2**30)
+            parse_margin(text, 2**30, typed=True)
+    # a margin stored so (a profile, a study of an earlier autotune) is still read as it was
+    assert parse_margin("5", 2**30) == 5
 
 
 def test_a_budget_needs_its_unit():
