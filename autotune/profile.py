@@ -23,7 +23,7 @@ import yaml
 
 from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
-from .knobs import Config, Target, apply_config, build_configured, changed, complete
+from .knobs import APPLIED, Config, Target, apply_config, build_configured, changed, complete
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -33,9 +33,6 @@ FORMAT_VERSION = 1
 MACHINE_KEYS = ("device", "name", "memory_bytes", "capability")
 SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
-
-
-APPLIED = "_autotune_profile"  # set on a pipeline by Profile.apply: the profile it was put in the state of
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -294,15 +291,11 @@ class Profile:
         if expected not in (cls.__name__ for cls in type(pipe).__mro__):
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
-        if getattr(pipe, APPLIED, None):
-            # its knobs rewrote the pipeline (fused QKV drops the q, k and v layers): a second
-            # configuration would meet a pipeline unlike the one any trial measured
-            raise ProfileError(f"this pipeline is configured already (by {getattr(pipe, APPLIED)}); "
-                               "apply a profile to a freshly loaded pipeline")
+        if getattr(pipe, APPLIED, None):  # set by apply_config: by this, load_pipeline or a trial
+            raise ProfileError(f"this pipeline is configured already ({getattr(pipe, APPLIED)}); apply a "
+                               "profile to a freshly loaded pipeline")
         config = complete(self.choose(budget_bytes)["config"])
-        pipe = apply_config(pipe, config, self._target(device))
-        setattr(pipe, APPLIED, str(self.path))
-        return pipe
+        return apply_config(pipe, config, self._target(device))
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;

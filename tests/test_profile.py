@@ -120,9 +120,12 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     doc["pareto"][1] = doc["best"]
     profile = load_profile(profile_io.save(doc, written))
     pipe = profile.apply(build_pipeline(resolve_model("tiny-sd15")))
-    assert pipe.unet.dtype.is_floating_point and getattr(pipe, profile_io.APPLIED) == str(written)
-    with pytest.raises(ProfileError, match="this pipeline is configured already .*freshly loaded pipeline"):
-        profile.apply(pipe)
+    assert pipe.unet.dtype.is_floating_point
+    for configured in (pipe, profile.load_pipeline()):  # load_pipeline's pipeline is configured too
+        with pytest.raises(ProfileError, match=r"this pipeline is configured already \(dtype=bfloat16, "
+                                               r"fuse_qkv=True, channels_last=True\); apply a profile to a "
+                                               "freshly loaded pipeline"):
+            profile.apply(configured)
     with pytest.raises(ProfileError, match="measured on a StableDiffusionPipeline; apply it to one, not to "
                                            "'StableDiffusionXLPipeline'"):
         profile.apply(build_pipeline(resolve_model("tiny-sdxl")))

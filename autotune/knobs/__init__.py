@@ -203,9 +203,16 @@ def build_device(config: Config, target: Target) -> str:
     return "cpu"
 
 
+# Set on a pipeline as its configuration begins (Profile.apply refuses it then): its knobs rewrite
+# the pipeline (fused QKV drops the q, k and v layers), and a second configuration, or one after a
+# failed first, would meet a pipeline unlike any a trial measured.
+APPLIED = "_autotune_configured"
+
+
 def apply_config(pipe, config: Config, target: Target):
     """Put a freshly loaded pipeline into the state that `config` describes, on `target.device`."""
     config = complete(config)
+    setattr(pipe, APPLIED, ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "the baseline")
     if rewrites_weights(config) and pipe.device.type != "cpu":
         import warnings
 
@@ -233,6 +240,7 @@ def build_configured(spec, config: Config, target: Target):
 
 
 __all__ = [
+    "APPLIED",
     "APPLY_ORDER",
     "CATALOGUE",
     "CONFLICTS",
