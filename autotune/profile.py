@@ -2,7 +2,7 @@
 
     profile = autotune.load_profile("sdxl-8GB.yaml")
     pipe = profile.load_pipeline()      # build the model and apply the best configuration
-    pipe = profile.load_pipeline(budget_bytes="6GB")  # the fastest measured point under 6 GiB
+    pipe = profile.load_pipeline(budget_bytes="6GB")  # the best measured point under 6 GiB
     profile.apply(pipe)                 # or apply it to a pipeline loaded already
 
 Written atomically (a temporary file in the same folder, then a rename); read with a safe loader
@@ -23,7 +23,8 @@ import yaml
 
 from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
-from .knobs import APPLIED, Config, Target, apply_config, build_configured, changed, complete
+from .choice import simplest_within_noise
+from .knobs import APPLIED, Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -253,9 +254,8 @@ class Profile:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`
         (bytes, or a size such as "6GB"; or none is given): the study's pick, which may be a
         simpler config than a front point with a lower median that its trials did not back
-        (study.choose_best). Else the fastest front point that fits, by the same rule
-        (`_simplest_within_noise`); ProfileError when none does, or when the budget is not a
-        positive size."""
+        (study.choose_best). Else the best front point that fits (`_pick_for_budget`);
+        ProfileError when none does, or when the budget is not a positive size."""
         if budget_bytes is None:
             return self.best
         budget_bytes = self._budget(budget_bytes)
@@ -268,7 +268,7 @@ class Profile:
                 f"no configuration in this profile fits {format_size(budget_bytes)} with a margin "
                 f"of {self.margin} (the smallest measured peak is {format_size(smallest)})"
             )
-        return _simplest_within_noise(fitting)
+        return _pick_for_budget(fitting)
 
     # ---- production ---------------------------------------------------------------------------
     def _target(self, device: str | None) -> Target:
@@ -310,18 +310,17 @@ class Profile:
         )
 
 
-def _simplest_within_noise(points: list[dict]) -> dict:
-    """The fastest of these front points; or, when its trials were measured again (a confirmed
-    point has `latencies_s`), the confirmed point that changes fewest knobs among those whose
-    median is no higher than the fastest one's slowest trial: the rule the study picked its best
-    by (study.choose_best), for the points of a smaller budget. An unconfirmed fastest point
-    stands on its one measurement, as the study's own pick does without confirmations."""
+def _pick_for_budget(points: list[dict]) -> dict:
+    """The pick among the front points that fit a budget below the study's pick. The fastest,
+    when its trials were not measured again: at a smaller budget it may never have been a
+    contender of the study (those are measured again), and it stands on its one measurement, as
+    any pick does without confirmation. Else the study's rule (choice.simplest_within_noise)
+    among the points that were measured again (a confirmed point has `latencies_s`)."""
     fastest = min(points, key=lambda p: p["latency_s"])
     if not fastest.get("latencies_s"):
         return fastest
-    slowest = max(fastest["latencies_s"])
-    within_noise = [p for p in points if p.get("latencies_s") and p["latency_s"] <= slowest]
-    return min(within_noise, key=lambda p: (len(changed(p["config"])), p["latency_s"]))
+    return simplest_within_noise([p for p in points if p.get("latencies_s")], lambda p: p["latency_s"],
+                                 lambda p: p["latencies_s"], lambda p: p["config"])
 
 
 def _device_here(device: str) -> bool:

@@ -33,6 +33,7 @@ import optuna
 from optuna.trial import TrialState
 
 from . import quality, runner, storages, worker
+from .choice import simplest_within_noise
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline, changed
 from .models import ModelSpec
@@ -910,8 +911,7 @@ def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | 
     fastest = min(confirmed or feasible, key=lambda r: r.latency_s, default=None)
     if not confirmed:
         return fastest, None
-    within_noise = [r for r in confirmed if r.latency_s <= max(fastest.latencies_s)]
-    pick = min(within_noise, key=lambda r: (changes(r.config), r.latency_s))
+    pick = simplest_within_noise(confirmed, lambda r: r.latency_s, lambda r: r.latencies_s, lambda r: r.config)
     if pick is fastest:
         return pick, None
     return pick, (
