@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import AutotuneError, os_reason
-from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, default_storage, display_url, open_storage,
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, default_storage, display_url, is_masked, open_storage,
                        sqlite_url, storage_file, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
@@ -297,7 +297,9 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
     d = profile.data
     study = d.get("study") or {}
     data = StudyData(
-        label=label or "", name=study.get("name") or path.stem, storage=study.get("storage"),
+        # the storage it was read from, once its study is (keys the de-duplication in `load`:
+        # two machines' profiles may record one relative storage path and one study name)
+        label=label or "", name=study.get("name") or path.stem, storage=None,
         model=d["model"], workload=d["workload"], device=d["machine"].get("device", "?"),
         budget_bytes=d["budget"]["memory_bytes"], margin_bytes=d["budget"].get("margin_bytes") or 0,
         front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
@@ -312,6 +314,9 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         else:
             data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
             data.image_root, data.storage = measured.image_root, url
+    elif is_masked(str(study.get("storage"))):  # the profile records no password: trying *** could lock the account
+        data.notes.append(f"{path.name}: its study storage {study.get('storage')} is recorded without its password: "
+                          "front and best from the profile only; give NAME@STORAGE_URL for its trials")
     else:
         data.notes.append(f"{path.name}: its study storage {display_url(str(study.get('storage')))} is not here: "
                           "front and best from the profile only, no timeline or knob importance")
@@ -321,7 +326,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
 
 
 def _find_storage(url: str | None, profile_dir: Path) -> str | None:
-    if not url:
+    if not url or is_masked(url):
         return None
     path = storage_file(url)
     if path is None:

@@ -126,20 +126,40 @@ def storage_file(url: str) -> Path | None:
     return Path(sqlite.database) if sqlite is not None and sqlite.database not in _IN_MEMORY else None
 
 
-def display_url(url: str) -> str:
-    """`url` as autotune shows and records it: a database server's password masked (***), as
-    SQLAlchemy renders it, for profiles, reports and messages are read and shared by people
-    other than the one who typed it."""
+def _server_url(url: str):
+    """SQLAlchemy's reading of a database URL; None for a journal file, "memory" or no URL."""
     if url == "memory" or url.startswith("journal:"):
-        return url
+        return None
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
-        parsed = make_url(url)
+        return make_url(url)
     except ArgumentError:
+        return None
+
+
+MASK = "***"  # SQLAlchemy's stand-in for a hidden password
+
+
+def display_url(url: str) -> str:
+    """`url` as autotune shows and records it: a database server's password masked (***), in the
+    URL as SQLAlchemy renders it and in a `password` query argument, for profiles, reports and
+    messages are read and shared by people other than the one who typed it."""
+    parsed = _server_url(url)
+    if parsed is None:
         return url
-    return parsed.render_as_string(hide_password=True) if parsed.password is not None else url
+    if "password" in parsed.query:
+        parsed = parsed.update_query_dict({"password": MASK})
+    elif parsed.password is None:
+        return url
+    return parsed.render_as_string(hide_password=True)
+
+
+def is_masked(url: str) -> bool:
+    """Whether `url` was recorded by display_url with its password masked: it cannot open."""
+    parsed = _server_url(url)
+    return parsed is not None and (parsed.password == MASK or parsed.query.get("password") == MASK)
 
 
 def with_storage_file(url: str, path: Path) -> str:

@@ -477,6 +477,36 @@ def test_a_storage_password_is_masked_in_the_report(studies, tmp_path):
     assert "hunter2" not in index and "hunter2" not in " ".join(loaded[0].notes)
 
 
+def test_a_profile_recorded_with_a_masked_password_is_not_tried_with_it(studies, tmp_path):
+    # profiles record postgresql://user:***@host: connecting with "***" fails, and failed logins
+    # can lock the account
+    from autotune import report
+
+    folder, _ = studies
+    text = (folder / "roomy.yaml").read_text()
+    recorded = re.search(r"storage: (\S+)", text).group(1)
+    profile = tmp_path / "server.yaml"
+    profile.write_text(text.replace(recorded, "postgresql://tuner:***@127.0.0.1:1/studies"))
+    (loaded,) = report.load([str(profile)])
+    assert loaded.notes == ["server.yaml: its study storage postgresql://tuner:***@127.0.0.1:1/studies is recorded "
+                            "without its password: front and best from the profile only; give NAME@STORAGE_URL "
+                            "for its trials"]
+
+
+def test_profiles_of_two_machines_whose_studies_are_not_here_are_both_compared(studies, tmp_path):
+    """Two machines tuned alike record one study name and one relative storage path; with the
+    storage absent, one of the two was dropped as "given again"."""
+    from autotune import report
+
+    folder, _ = studies
+    text = (folder / "roomy.yaml").read_text()
+    recorded = re.search(r"storage: (\S+)", text).group(1)
+    for machine in ("a10", "l4"):
+        (tmp_path / f"{machine}.yaml").write_text(text.replace(recorded, "sqlite:///autotune-studies/studies.db"))
+    loaded = report.load([str(tmp_path / "a10.yaml"), str(tmp_path / "l4.yaml")])
+    assert [s.origin for s in loaded] == ["a10.yaml", "l4.yaml"]
+
+
 # ---- charts: what they draw matches what they say ---------------------------------------------
 def test_best_vs_budget_draws_a_study_where_nothing_fits_dotted_as_its_title_says(tmp_path):
     # it drew nothing but a legend entry, under "dotted: measured over the budget"

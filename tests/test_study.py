@@ -753,6 +753,7 @@ def test_export_of_a_study_still_running_says_so_in_its_profile(tmp_path):
     ("postgresql://me:secret@db:5432/autotune", "postgresql://me:***@db:5432/autotune"),
     ("postgresql+psycopg://me:p%40ss@db/autotune", "postgresql+psycopg://me:***@db/autotune"),
     ("postgresql://me@db/autotune", "postgresql://me@db/autotune"),  # no password: as typed
+    ("postgresql://me@db/autotune?password=secret", "postgresql://me@db/autotune?password=%2A%2A%2A"),
     ("sqlite:///runs/studies.db", "sqlite:///runs/studies.db"),
     ("journal:runs/study.log", "journal:runs/study.log"),
 ])
