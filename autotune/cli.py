@@ -18,7 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .storages import DEFAULT_WORKDIR, default_storage, display_url, keeps_nothing, open_storage, storage_file
+from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_opens, default_storage, display_url, keeps_nothing,
+                       open_storage, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
@@ -440,7 +441,7 @@ def _tune(args, argv: list[str]) -> int:
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
-    open_storage(storage)  # a server that does not answer, a driver not installed: said before the search
+    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
     output = args.output or default_profile_path(spec, budget)
     if not args.no_profile:
         # The profile is written after the search: a path that takes no file fails now, not then.
@@ -753,7 +754,7 @@ def _export(argv: list[str]) -> int:
         kept = storage_file(storage)
         if kept is None or kept.is_file():  # a server that does not answer, a foreign file: not "no study"
             raise
-        hint = "" if args.storage or args.workdir else " (tuned with --workdir? give the same here)"
+        hint = "" if args.storage or args.workdir else WORKDIR_HINT
         raise AutotuneError(f"no study {args.study_name!r}: {exc}{hint}") from None
     try:
         study = optuna.load_study(study_name=args.study_name, storage=backend)

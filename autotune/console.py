@@ -182,7 +182,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         out.print(f"seeds: {outcome.seed_note}")
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
     skipped = outcome.counts.get("not_measured") or {}
-    # Trial numbers are Optuna's and count these too: this line says where the gaps come from.
+    # Trial numbers are Optuna's and count these too: this line says where the gaps come from
+    # (a confirmation phase's claim takes a number as well, after the search's).
     n_skipped = sum(skipped.values())
     not_measured = (f"; not measured: {n_skipped} more proposal{'s' if n_skipped != 1 else ''} ("
                     + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""

@@ -413,8 +413,8 @@ def validate(data, path) -> None:
             raise ProfileError(f"profile {path}: section '{section}' must be a mapping, not {data[section]!r:.40}")
     section, key = LAST_KEY
     if key not in data[section]:
-        raise ProfileError(f"profile {path}: {section}.{key} is missing, the last key autotune writes "
-                           "(truncated file?)")
+        raise ProfileError(f"profile {path}: {section}.{key} is missing, the last key autotune writes: the file "
+                           "was cut short, or written by an autotune older than 2026-11-23 (export it again)")
     for section in OPTIONAL_MAPPINGS:
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise ProfileError(

@@ -25,8 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import AutotuneError, os_reason
-from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, default_storage, display_url, is_masked, open_storage,
-                       sqlite_url, storage_file, with_storage_file)
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, default_storage, display_url, is_masked,
+                       open_storage, sqlite_url, storage_file, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -1007,7 +1007,7 @@ def main(argv: list[str]) -> int:
     except ReportError as exc:
         # export's hint, where the storage missing is the default one, not one named
         if not args.storage and not args.workdir and str(exc).startswith(f"storage {default_storage()}: no such file"):
-            raise ReportError(f"{exc} (tuned with --workdir? give the same here)") from None
+            raise ReportError(f"{exc}{WORKDIR_HINT}") from None
         raise
     written = write_report(studies, args.out, title=args.title)
     for s in studies:

@@ -218,6 +218,17 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         raise AutotuneError(f"storage {shown}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
 
 
+def check_opens(url: str) -> None:
+    """One AutotuneError now, before a search starts, if the storage does not open (a server that
+    does not answer, a driver not installed); the connections made to check are closed."""
+    engine = getattr(open_storage(url), "engine", None)  # RDB storages: SQLAlchemy's pool
+    if engine is not None:
+        engine.dispose()
+
+
+WORKDIR_HINT = " (tuned with --workdir? give the same here)"  # where the default storage is missing
+
+
 def _check_journal(url: str, path: Path) -> None:
     """A file that is there must be an Optuna journal: Optuna takes a last line it cannot parse
     for a record cut short by a crash, and appends its own after it, into the user's file."""
