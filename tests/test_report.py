@@ -461,15 +461,19 @@ def test_the_same_profile_or_study_given_twice_is_compared_once(studies, tmp_pat
     assert "roomy: given again (./roomy.yaml), compared once" in loaded[0].notes
 
 
+def profile_recording(studies, path: Path, storage: str) -> Path:
+    """The roomy study's profile, written to `path` as recording `storage` for its study."""
+    folder, _ = studies
+    text = (folder / "roomy.yaml").read_text()
+    path.write_text(text.replace(re.search(r"storage: (\S+)", text).group(1), storage))
+    return path
+
+
 def test_a_storage_password_is_masked_in_the_report(studies, tmp_path):
     # a profile that records a database server's URL (as written before profiles masked it)
     from autotune import report
 
-    folder, _ = studies
-    text = (folder / "roomy.yaml").read_text()
-    recorded = re.search(r"storage: (\S+)", text).group(1)
-    profile = tmp_path / "server.yaml"
-    profile.write_text(text.replace(recorded, "postgresql://tuner:hunter2@127.0.0.1:1/studies"))
+    profile = profile_recording(studies, tmp_path / "server.yaml", "postgresql://tuner:hunter2@127.0.0.1:1/studies")
     loaded = report.load([str(profile)])
     report.write_report(loaded, tmp_path / "out")
     index = (tmp_path / "out" / "index.html").read_text()
@@ -482,11 +486,7 @@ def test_a_profile_recorded_with_a_masked_password_is_not_tried_with_it(studies,
     # can lock the account
     from autotune import report
 
-    folder, _ = studies
-    text = (folder / "roomy.yaml").read_text()
-    recorded = re.search(r"storage: (\S+)", text).group(1)
-    profile = tmp_path / "server.yaml"
-    profile.write_text(text.replace(recorded, "postgresql://tuner:***@127.0.0.1:1/studies"))
+    profile = profile_recording(studies, tmp_path / "server.yaml", "postgresql://tuner:***@127.0.0.1:1/studies")
     (loaded,) = report.load([str(profile)])
     assert loaded.notes == ["server.yaml: its study storage postgresql://tuner:***@127.0.0.1:1/studies is recorded "
                             "without its password: front and best from the profile only; give NAME@STORAGE_URL "
@@ -498,11 +498,8 @@ def test_profiles_of_two_machines_whose_studies_are_not_here_are_both_compared(s
     storage absent, one of the two was dropped as "given again"."""
     from autotune import report
 
-    folder, _ = studies
-    text = (folder / "roomy.yaml").read_text()
-    recorded = re.search(r"storage: (\S+)", text).group(1)
     for machine in ("a10", "l4"):
-        (tmp_path / f"{machine}.yaml").write_text(text.replace(recorded, "sqlite:///autotune-studies/studies.db"))
+        profile_recording(studies, tmp_path / f"{machine}.yaml", "sqlite:///autotune-studies/studies.db")
     loaded = report.load([str(tmp_path / "a10.yaml"), str(tmp_path / "l4.yaml")])
     assert [s.origin for s in loaded] == ["a10.yaml", "l4.yaml"]
 
