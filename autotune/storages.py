@@ -9,6 +9,7 @@ retried.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -41,22 +42,28 @@ def _proc_stat(pid: int) -> tuple[int, str] | None:
         return None
 
 
-def this_process(trial_number: int) -> dict | None:
-    """Who holds trial `trial_number`, told so that a later run on the same machine can see it
-    gone: the boot (Linux's boot_id, one per machine and boot: two machines may share a host
-    name), the PID namespace (containers on one host), the PID and its start (a PID in use
-    again). The trial's number goes with it: Optuna's retry of a trial copies its attributes, and
-    the copy must not speak for the retry. None where /proc cannot tell; such a trial waits out
-    the heartbeat grace (GRACE_S)."""
-    stat = _proc_stat(os.getpid())
+@functools.lru_cache(maxsize=1)
+def _machine() -> tuple[str, int] | None:
+    """This boot (Linux's boot_id) and PID namespace; read once, as neither changes while a
+    process lives (a forked child shares both)."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.stat("/proc/self/ns/pid").st_ino
+        return (Path("/proc/sys/kernel/random/boot_id").read_text().strip(), os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return None
-    if stat is None:
+
+
+def this_process(trial_number: int) -> dict | None:
+    """Who holds trial `trial_number`, told so that a later run on the same machine can see it
+    gone: the boot (boot_id, one per machine and boot: two machines may share a host name), the
+    PID namespace (containers on one host), the PID and its start (a PID in use again). The
+    trial's number goes with it: Optuna's retry of a trial copies its attributes, and the copy
+    must not speak for the retry. None where /proc cannot tell; such a trial waits out the
+    heartbeat grace (GRACE_S)."""
+    machine, stat = _machine(), _proc_stat(os.getpid())
+    if machine is None or stat is None:
         return None
-    return {"trial": trial_number, "boot_id": boot, "pid_ns": namespace, "pid": os.getpid(), "start_ticks": stat[0]}
+    return {"trial": trial_number, "boot_id": machine[0], "pid_ns": machine[1], "pid": os.getpid(),
+            "start_ticks": stat[0]}
 
 
 def is_gone(holder: dict | None, trial_number: int) -> bool:
@@ -67,8 +74,7 @@ def is_gone(holder: dict | None, trial_number: int) -> bool:
     hidden from this user (/proc mounted hidepid)."""
     if not isinstance(holder, dict) or holder.get("trial") != trial_number:
         return False
-    here = this_process(trial_number)
-    if here is None or any(holder.get(k) != here[k] for k in ("boot_id", "pid_ns")):
+    if _machine() is None or (holder.get("boot_id"), holder.get("pid_ns")) != _machine():
         return False
     pid = holder.get("pid")
     if not isinstance(pid, int) or pid <= 0:
