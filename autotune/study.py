@@ -300,7 +300,8 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
     the quality guard, whose calibration the outcome then reports."""
     records = []
     confirmed = study.user_attrs.get(CONFIRMATIONS, {})
-    for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    trials = study.get_trials(deepcopy=False)  # one read of the storage: measured and not
+    for frozen in (t for t in trials if t.state == TrialState.COMPLETE):
         record = record_of(frozen, confirmed.get(str(frozen.number)))
         if record and record.duplicate_of is None:
             records.append(record)
@@ -316,7 +317,7 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         "failed": sum(r.status != worker.OK for r in records),
         "by_status": _count_by(r.status for r in records),
         # proposals that took a trial number and were not measured, by why
-        "not_measured": _count_by(filter(None, map(_why_not_measured, study.get_trials(deepcopy=False)))),
+        "not_measured": _count_by(filter(None, map(_why_not_measured, trials))),
     }
     outcome.guard_asked = guard_asked
     outcome.quality_guard = study.user_attrs.get("quality_guard") if guard_asked else None
