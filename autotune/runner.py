@@ -27,6 +27,7 @@ from typing import Callable
 import psutil
 
 from . import worker
+from .measure import resident_bytes
 
 LAUNCHERS = ("fork", "spawn")
 
@@ -125,15 +126,6 @@ def _kill_group(child) -> None:
     child.wait(None)
 
 
-def _rss(pid: int) -> int:
-    """The trial process's resident memory, what its own peak (VmHWM) counts: read every
-    GUARD_EVERY_S, so one /proc read (its children would mean scanning every process)."""
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except psutil.Error:
-        return 0
-
-
 def _log_tail(path: Path, chars: int = 2000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -165,6 +157,12 @@ def run_trial(
     result_path.unlink(missing_ok=True)
     started = time.perf_counter()
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)
+
+    def killed(status: str, error: str, **extra) -> dict:
+        _kill_group(child)
+        return {"status": status, "error": error, "wall_s": time.perf_counter() - started,
+                "launcher": launcher, "log": str(log_path), **extra}
+
     try:
         deadline = started + timeout_s
         next_tick = started + tick_every_s
@@ -173,35 +171,24 @@ def run_trial(
             returncode = child.wait(max(0.0, min(GUARD_EVERY_S, deadline - time.perf_counter())))
             if returncode is not None:
                 break
+            # The trial's own RSS (one /proc read; its children would mean scanning every process),
+            # read only when it can matter.
             available = psutil.virtual_memory().available
-            held = _rss(child.pid) if stop_above_bytes or available < HOST_RESERVE_BYTES else 0
-            if available < HOST_RESERVE_BYTES or (stop_above_bytes and held > stop_above_bytes):
-                _kill_group(child)
-                if available < HOST_RESERVE_BYTES:
-                    why = (f"host memory nearly exhausted ({available // 2**20} MiB available, the trial "
-                           f"holding {held // 2**20} MiB): stopped before the kernel's out-of-memory killer")
-                else:
-                    why = (f"the trial held {held // 2**20} MiB, past {stop_above_bytes // 2**20} MiB: "
-                           "stopped, as it cannot fit the budget")
-                return {
-                    "status": worker.OUT_OF_MEMORY,
-                    "error": why,
-                    "peak_memory_bytes": held or None,  # at least this much: it was still growing
-                    "wall_s": time.perf_counter() - started,
-                    "launcher": launcher,
-                    "log": str(log_path),
-                }
+            if available < HOST_RESERVE_BYTES:
+                held = resident_bytes(child.pid) or 0
+                # no peak: on a GPU the peak is device memory, and host RSS would stand for it
+                return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
+                              f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
+                              "out-of-memory killer")
+            if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
+                return killed(worker.OUT_OF_MEMORY, f"the trial held {held // 2**20} MiB, past "
+                              f"{stop_above_bytes // 2**20} MiB: stopped, as it cannot fit the budget",
+                              peak_memory_bytes=held)  # at least this much: it was still growing
             if tick and time.perf_counter() >= next_tick:
                 tick()
                 next_tick += tick_every_s
             if time.perf_counter() >= deadline:
-                _kill_group(child)
-                return {
-                    "status": worker.TIMEOUT,
-                    "error": f"no result after {timeout_s:g} s (--trial-timeout); killed",
-                    "wall_s": time.perf_counter() - started,
-                    "launcher": launcher,
-                }
+                return killed(worker.TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); killed")
     except BaseException:
         _kill_group(child)
         raise

@@ -83,6 +83,7 @@ def test_a_trial_that_would_exhaust_host_memory_is_stopped_as_out_of_memory(tmp_
     assert result["status"] == worker.OUT_OF_MEMORY
     assert result["error"].startswith("host memory nearly exhausted") and "out-of-memory killer" in result["error"]
     assert result["wall_s"] < 30 and not trial_processes()
+    assert "peak_memory_bytes" not in result  # host RSS is no device peak (on a GPU it would stand for one)
 
 
 def test_a_cpu_trial_past_its_memory_stop_is_stopped_as_out_of_memory(tmp_path):
