@@ -73,13 +73,14 @@ def _positive_float(text: str) -> float:
 
 
 def _margin(text: str) -> str:
-    from .sizes import parse_margin
+    from .sizes import parse_margin, require_unit
 
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"margin '{text}' is negative: it is memory kept free under "
                                          "the budget (examples: 5%, 512MB, 0)")
     try:
-        parse_margin(text, 2**30, typed=True)  # checked here, turned into bytes once the budget is known
+        require_unit(text, ("%", "GB"), "5%, 512MB, 0")  # "5" would be 5 bytes: no margin at all
+        parse_margin(text, 2**30)  # checked here, turned into bytes once the budget is known
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -24,20 +24,26 @@ def parse_size(text: str) -> int:
     return size
 
 
+def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:
+    """ValueError for a bare number other than 0: it would be bytes ("8" is 8 B), which no one
+    means for a budget or a margin, so the likely units are named."""
+    bare = str(text).strip()
+    if re.fullmatch(r"[\d.]+", bare) and float(bare) != 0:
+        raise ValueError(f"'{text}' has no unit: did you mean {' or '.join(bare + u for u in units)}? "
+                         f"(examples: {examples}; B for bytes)")
+
+
 def parse_budget(text: str) -> int:
-    """A memory budget: a size with its unit. A bare number would be bytes ("8" is 8 B), which
-    no one means for a budget: a whole search for nothing, so it is refused with the likely unit."""
+    """A memory budget: a size with its unit (a search for 8 bytes is a search for nothing)."""
     size = parse_size(text)
-    if re.fullmatch(r"\s*[\d.]+\s*", str(text)):
-        raise ValueError(f"'{text}' has no unit: did you mean {str(text).strip()}GB? "
-                         "(examples: 8GB, 7.5GiB, 8000MiB; B for bytes)")
+    require_unit(text, ("GB",), "8GB, 7.5GiB, 8000MiB")
     return size
 
 
-def parse_margin(text: str, budget: int, typed: bool = False) -> int:
-    """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0").
-    `typed`: the text is what a user typed (--margin), where a bare number other than 0 is
-    refused, as a budget's is; a margin stored by an earlier autotune is read as it was."""
+def parse_margin(text: str, budget: int) -> int:
+    """A safety margin in bytes: a share of the budget ("5%") or a size ("512MB", "0"). A bare
+    number is bytes here: what a user types is checked by the CLI (require_unit), and a margin
+    stored so by an earlier autotune is read as it was."""
     text = str(text).strip()
     if text.endswith("%"):
         try:
@@ -50,9 +56,6 @@ def parse_margin(text: str, budget: int, typed: bool = False) -> int:
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit
         return 0
-    if typed and re.fullmatch(r"[\d.]+", text):  # "5" would be 5 bytes, no margin at all
-        raise ValueError(f"'{text}' has no unit: did you mean {text}% or {text}GB? "
-                         "(examples: 5%, 512MB, 0; B for bytes)")
     try:
         return parse_size(text)
     except ValueError:

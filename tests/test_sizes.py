@@ -1,6 +1,6 @@
 import pytest
 
-from autotune.sizes import format_size, parse_budget, parse_margin, parse_size, short_size
+from autotune.sizes import format_size, parse_budget, parse_margin, parse_size, require_unit, short_size
 
 
 @pytest.mark.parametrize(
@@ -69,10 +69,11 @@ def test_rejects_bad_margins(text):
 
 def test_a_typed_margin_other_than_zero_needs_its_unit():
     # "--margin 5" was 5 bytes: no margin at all, said as "a margin of 5 (5 B)"
-    assert parse_margin("512B", 2**30, typed=True) == 512 and parse_margin("0", 2**30, typed=True) == 0
+    for text in ("512B", "0", "0.0", "5%"):
+        require_unit(text, ("%", "GB"), "5%, 512MB, 0")
     for text in ("5", "5.5"):
         with pytest.raises(ValueError, match=f"'{text}' has no unit: did you mean {text}% or {text}GB"):
-            parse_margin(text, 2**30, typed=True)
+            require_unit(text, ("%", "GB"), "5%, 512MB, 0")
     # a margin stored so (a profile, a study of an earlier autotune) is still read as it was
     assert parse_margin("5", 2**30) == 5
 
