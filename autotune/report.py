@@ -205,33 +205,10 @@ SQLITE_HEADER = b"SQLite format 3\0"
 
 
 def _open_storage(url: str):
-    import optuna
-
-    path = storage_file(url)
-    if path is not None and not url.startswith("journal:") and path.is_file() and not _has_optuna_tables(path):
-        # Opening it as a storage would create Optuna's tables in it (a 0-byte file grew to
-        # 112 KiB): a report only reads, and an empty storage holds no studies.
-        return optuna.storages.InMemoryStorage()
     try:
         return open_storage(url, existing=True)  # a missing file is an error, not created
     except AutotuneError as exc:
         raise ReportError(str(exc)) from None
-
-
-def _has_optuna_tables(path: Path) -> bool:
-    """Whether the SQLite file `path` holds Optuna's tables, read without writing to it; a file
-    that is no database counts as holding them, so that opening it says what it is."""
-    import sqlite3
-    from contextlib import closing
-
-    if path.stat().st_size == 0:
-        return False
-    try:
-        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'studies'").fetchone()
-            return found is not None
-    except sqlite3.DatabaseError:
-        return True
 
 
 def _is_sqlite_file(text: str) -> bool:
@@ -352,7 +329,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
     sources = [str(s) for s in sources or []]
     if storage is not None and not _is_url(storage):
         # always a storage, never a profile: a path gets the URL to write (open_storage's line)
-        _storage_path_error(storage)
+        _open_storage(storage)
     out: list[StudyData] = []
     for name in studies or []:
         sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
@@ -416,15 +393,6 @@ def _study_key(url: str, name: str) -> tuple:
 def _resolved(data: StudyData) -> list[tuple]:
     """The study a loaded source is (a profile's: the one it records)."""
     return [_study_key(data.storage, data.name)] if data.storage else []
-
-
-def _storage_path_error(value: str) -> None:
-    """--storage given a path: one line with the URL to write (a SQLite file's only, when the
-    file is one)."""
-    if Path(value).is_file() and _is_sqlite_file(value):
-        raise ReportError(f"storage {value}: not a storage URL; for a SQLite file write {sqlite_url(Path(value))}")
-    _open_storage(value)  # open_storage's line: the SQLite and the journal URL
-    raise ReportError(f"storage {value}: not a storage URL (sqlite:///FILE, journal:FILE, ...)")
 
 
 # How a label names a workload that differs between studies: size and steps as one phrase.

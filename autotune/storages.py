@@ -103,16 +103,8 @@ _IN_MEMORY = (None, "", ":memory:")  # SQLite databases that live in memory only
 def _sqlite(url: str):
     """SQLAlchemy's reading of a SQLite URL, or None for any other storage (a journal file, a
     database server, or no URL at all: open_storage says so)."""
-    if url.startswith("journal:"):
-        return None
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    return parsed if parsed.get_backend_name() == "sqlite" else None
+    parsed = _server_url(url)
+    return parsed if parsed is not None and parsed.get_backend_name() == "sqlite" else None
 
 
 def keeps_nothing(url: str) -> bool:
@@ -206,6 +198,10 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         raise AutotuneError(f"storage {url}: no such file {path}")
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
         raise AutotuneError(f"storage {url}: no such folder {path.parent}")
+    if existing and path is not None and not url.startswith("journal:") and not _has_optuna_tables(path):
+        # Opening it would create Optuna's tables in it (a 0-byte file grew to 112 KiB): a reader
+        # (export, a report, a warm start) writes nothing, and finds no study there.
+        return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         _check_journal(url, path)
     try:
@@ -233,6 +229,22 @@ def check_opens(url: str) -> None:
 
 
 WORKDIR_HINT = " (tuned with --workdir? give the same here)"  # where the default storage is missing
+
+
+def _has_optuna_tables(path: Path) -> bool:
+    """Whether the SQLite file `path` holds Optuna's tables, read without writing to it; a file
+    that is no database counts as holding them, so that opening it says what it is."""
+    import sqlite3
+    from contextlib import closing
+
+    if path.stat().st_size == 0:
+        return False
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'studies'").fetchone() \
+                is not None
+    except sqlite3.DatabaseError:
+        return True
 
 
 def _check_journal(url: str, path: Path) -> None:

@@ -759,3 +759,15 @@ def test_export_of_a_study_still_running_says_so_in_its_profile(tmp_path):
 ])
 def test_a_storage_password_is_masked_where_autotune_shows_or_records_it(url, shown):
     assert storages.display_url(url) == shown
+
+
+def test_a_sqlite_file_without_a_study_is_never_written_by_a_reader(tmp_path):
+    # export (and a report, a warm start) opened an empty file as a storage and wrote Optuna's
+    # tables into it: 0 bytes grew to 112 KiB
+    from helpers import run_cli
+
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    proc = run_cli("export", "--study-name", "x", "--storage", f"sqlite:///{empty}", cwd=tmp_path)
+    assert proc.returncode == 1 and "no study 'x' in" in proc.stderr and "(it holds none)" in proc.stderr
+    assert empty.stat().st_size == 0
