@@ -559,6 +559,7 @@ def _check_folder(folder: Path) -> None:
 
 
 def _write_profile(out, request, outcome, output: Path) -> int:
+    from . import console
     from . import profile as profile_io
     from .errors import AutotuneError
     from .sizes import format_size
@@ -572,8 +573,7 @@ def _write_profile(out, request, outcome, output: Path) -> int:
             # nothing ran, and not for lack of memory: not a budget too small (exit 3)
             if outcome.records:
                 first = outcome.records[0]
-                by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
-                why = f"no configuration ran ({by_status}); trial {first.number}: {first.result.get('error', first.status)}"
+                why = f"no configuration ran ({console.status_counts(outcome)}); trial {first.number}: {first.result.get('error', first.status)}"
             else:
                 why = f"no trial completed a measurement ({outcome.stop_reason})"
             print(f"autotune: error: {why}; no profile written", file=sys.stderr)

@@ -150,6 +150,11 @@ class TrialProgress:
         self.out.print(escape(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]"))
 
 
+def status_counts(outcome) -> str:
+    """How the study's measured trials ended: "ok 6, out_of_memory 2"."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
+
+
 def print_share(out: Console, outcome) -> None:
     """What this run measured, when it did not measure all of the study: a resume, or a study
     shared by several workers."""
@@ -180,7 +185,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         out.print("quality guard: off")
     if outcome.seed_note:
         out.print(f"seeds: {outcome.seed_note}")
-    by_status = ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
+    by_status = status_counts(outcome)
     skipped = outcome.counts.get("not_measured") or {}
     # Trial numbers are Optuna's and count these too: this line says where the gaps come from
     # (a confirmation phase's claim takes a number as well, after the search's).

@@ -836,10 +836,11 @@ def tune(
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))
 
-    confirmed_here = []
+    confirmed_here = 0
 
     def count_confirmation(record: TrialRecord, entry: dict) -> None:
-        confirmed_here.append(record.number)
+        nonlocal confirmed_here
+        confirmed_here += 1
         if on_confirm:
             on_confirm(record, entry)
 
@@ -847,7 +848,7 @@ def tune(
         confirm_contenders(req, study, measure, count_confirmation, deadline)
     outcome = summarize(study, reason, guard_asked=bool(req.min_psnr_db))
     outcome.measured_here = measured_here
-    outcome.confirmed_here = len(confirmed_here)
+    outcome.confirmed_here = confirmed_here
     return outcome
 
 
