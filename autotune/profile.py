@@ -24,7 +24,7 @@ import yaml
 from . import fingerprint
 from .errors import ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import APPLIED, Config, Target, apply_config, build_configured, complete
+from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -291,9 +291,6 @@ class Profile:
         if expected not in (cls.__name__ for cls in type(pipe).__mro__):
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
-        if getattr(pipe, APPLIED, None):  # set by apply_config: by this, load_pipeline or a trial
-            raise ProfileError(f"this pipeline is configured already ({getattr(pipe, APPLIED)}); apply a "
-                               "profile to a freshly loaded pipeline")
         config = complete(self.choose(budget_bytes)["config"])
         return apply_config(pipe, config, self._target(device))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
-from autotune.models import resolve_model
+from autotune.models import build_pipeline, resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
 from autotune.workload import Workload
 from helpers import build_tiny
@@ -108,8 +108,6 @@ def test_sdxl_in_float16_keeps_the_vae_upcast_and_never_nans():
 def test_a_dtype_applied_to_a_loaded_pipeline_gives_the_trials_dtypes(dtype):
     """`Profile.apply` on a pipeline loaded in float32 casts it as the trial's build did: T5 keeps
     its `wo` layers in float32 in float16 (transformers' rule, against overflow), nothing else does."""
-    from autotune.models import build_pipeline
-
     spec = resolve_model("tiny-sd3")
     target = Target(device="cpu", family="sd3")
 
@@ -396,8 +394,6 @@ def test_the_pipeline_moves_to_the_device_once_its_weights_are_rewritten(config)
     # On a GPU the move is what puts weights in device memory: made before quantization, the
     # full-precision weights would set the trial's peak. Here the CPU is the target, and the
     # pipeline's own `to` is wrapped to record the weights' state at each move.
-    from autotune.models import build_pipeline
-
     pipe = build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16 if "dtype" in config else torch.float32)
     moves, move = [], pipe.to
 
@@ -420,7 +416,7 @@ def test_quantize_runs_on_the_gpu_only_where_the_pipeline_will_live_there():
 
 def test_a_pipeline_already_on_the_device_is_warned_about_before_it_is_quantized():
     # The meta device stands in for a GPU (none here).
-    pipe = build_tiny("sd15", {"dtype": "bfloat16"}).to("meta")
+    pipe = build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16).to("meta")
     with pytest.warns(UserWarning, match="peak memory will be higher than the profile measured"):
         apply_config(pipe, {"dtype": "bfloat16", "layerwise_casting": "fp8-e4m3"},
                      Target(device="meta", family="sd15"))
@@ -673,7 +669,7 @@ def test_every_pair_a_shipped_space_allows_applies_cleanly_or_is_ruled_out(famil
     calls = compiled_checks = 0
     for rest, variants in by_rest(configs.values()).values():
         if not bases:
-            bases["float32"] = build_configured(spec, {}, target)
+            bases["float32"] = build_pipeline(spec)  # not configured: each copy is configured once
         if rest["dtype"] not in bases:  # a cast copy: cheaper than building tiny-sdxl again
             bases[rest["dtype"]] = apply_config(copy.deepcopy(bases["float32"]), {"dtype": rest["dtype"]}, target)
         base = bases[rest["dtype"]]

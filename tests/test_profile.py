@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune import ProfileError, ProfileMismatchWarning, fingerprint, load_profile
+from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, fingerprint, load_profile
 from autotune import profile as profile_io
 from autotune.knobs import baseline
 from autotune.models import resolve_model
@@ -122,9 +122,9 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     pipe = profile.apply(build_pipeline(resolve_model("tiny-sd15")))
     assert pipe.unet.dtype.is_floating_point
     for configured in (pipe, profile.load_pipeline()):  # load_pipeline's pipeline is configured too
-        with pytest.raises(ProfileError, match=r"this pipeline is configured already \(dtype=bfloat16, "
-                                               r"fuse_qkv=True, channels_last=True\); apply a profile to a "
-                                               "freshly loaded pipeline"):
+        with pytest.raises(AutotuneError, match=r"this pipeline is configured already \(dtype=bfloat16, "
+                                                r"fuse_qkv=True, channels_last=True\); apply a configuration "
+                                                "to a freshly loaded pipeline"):
             profile.apply(configured)
     with pytest.raises(ProfileError, match="measured on a StableDiffusionPipeline; apply it to one, not to "
                                            "'StableDiffusionXLPipeline'"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import AutotuneError
 from .attention import ATTENTION
 from .base import Knob, Target
 from .cache import CACHE
@@ -203,8 +204,8 @@ def build_device(config: Config, target: Target) -> str:
     return "cpu"
 
 
-# Set on a pipeline as its configuration begins (Profile.apply refuses it then): its knobs rewrite
-# the pipeline (fused QKV drops the q, k and v layers), and a second configuration, or one after a
+# Set on a pipeline as its configuration begins, and refused by the next one: knobs rewrite the
+# pipeline (fused QKV drops the q, k and v layers), and a second configuration, or one after a
 # failed first, would meet a pipeline unlike any a trial measured.
 APPLIED = "_autotune_configured"
 
@@ -212,6 +213,9 @@ APPLIED = "_autotune_configured"
 def apply_config(pipe, config: Config, target: Target):
     """Put a freshly loaded pipeline into the state that `config` describes, on `target.device`."""
     config = complete(config)
+    if getattr(pipe, APPLIED, None):
+        raise AutotuneError(f"this pipeline is configured already ({getattr(pipe, APPLIED)}); apply a "
+                            "configuration to a freshly loaded pipeline")
     setattr(pipe, APPLIED, ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "the baseline")
     if rewrites_weights(config) and pipe.device.type != "cpu":
         import warnings

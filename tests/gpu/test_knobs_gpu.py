@@ -16,7 +16,8 @@ import torch
 from autotune.console import config_changes
 from autotune.knobs import CATALOGUE, Target, apply_config, build_configured, conflict
 from autotune.knobs.compile import CUDA_GRAPH_MODES
-from autotune.models import resolve_model
+from autotune.knobs.precision import DTYPES
+from autotune.models import build_pipeline, resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
 from autotune.workload import Workload
 from test_catalogue import allowed_pairs, by_rest, compile_variant_problem, hooks_of, key
@@ -116,7 +117,7 @@ def test_group_offload_keeps_weights_on_the_host(kind):
 
 def test_offload_refuses_a_pipeline_already_on_the_gpu():
     spec = resolve_model("tiny-sd15")
-    pipe = build_configured(spec, {"dtype": "bfloat16"}, target("sd15"))  # placed on the GPU
+    pipe = build_pipeline(spec, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="load it on the CPU"):
         apply_config(pipe, {"dtype": "bfloat16", "offload": "sequential"}, target("sd15"))
 
@@ -240,7 +241,7 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
     for rest, variants in groups.values():
         first_pair = variants[0][0]
         if rest["dtype"] not in bases:  # on the host: offload must find nothing on the GPU
-            bases[rest["dtype"]] = build_configured(spec, {"dtype": rest["dtype"]}, Target("cpu", family))
+            bases[rest["dtype"]] = build_pipeline(spec, dtype=DTYPES[rest["dtype"]])  # not configured yet
         pipe = copy.deepcopy(bases[rest["dtype"]])  # whole: applying for CUDA moves every component
         pipe.set_progress_bar_config(disable=True)
         try:
