@@ -42,11 +42,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _whole_number(text: str, least: int) -> int:
+MAX_CALLS = 10  # timed calls per trial at most, unless --max-calls says otherwise
+
+
+def _whole_number(text: str, least: int, most: int | None = None, most_text: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if most is not None and not least <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be from {least} to {most_text or most}, got {value}")
     if value < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
@@ -106,13 +111,8 @@ def _min_psnr(text: str) -> str | float:
 
 
 def _sampler_seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if not 0 <= value < 2**32:  # numpy's generator, under Optuna's samplers, takes no other
-        raise argparse.ArgumentTypeError(f"must be from 0 to 2**32 - 1 ({2**32 - 1}), got {text}")
-    return value
+    # numpy's generator, under Optuna's samplers, takes no other
+    return _whole_number(text, 0, 2**32 - 1, f"2**32 - 1 ({2**32 - 1})")
 
 
 def _size(text: str) -> int:
@@ -129,7 +129,7 @@ def measurement_defaults() -> dict:
     contestants to exactly these. Keys as TuneRequest names them, and the margin."""
     p = tune_parser()
     return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
-            "max_calls": p.get_default("max_calls"), "spread_limit": p.get_default("spread"),
+            "max_calls": max(MAX_CALLS, p.get_default("repeats")), "spread_limit": p.get_default("spread"),
             "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
 
 
@@ -188,7 +188,8 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=_positive_int, default=3,
                    help="timed calls per trial at least; more, up to --max-calls, until the last "
                    "REPEATS agree within --spread (default 3)")
-    s.add_argument("--max-calls", type=_positive_int, default=10, help="timed calls per trial at most")
+    s.add_argument("--max-calls", type=_positive_int,
+                   help=f"timed calls per trial at most (default {MAX_CALLS}, or REPEATS when more)")
     s.add_argument("--spread", type=_positive_float, default=0.05, metavar="FRACTION",
                    help="(max - min) / median the last REPEATS calls must be under (default 0.05)")
     s.add_argument("--warmup", type=_positive_int, default=1,
@@ -395,8 +396,8 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError("--model is empty: name an alias (sdxl, tiny-sdxl, ...), a hub id or a folder")
     if args.no_profile and args.output:
         raise UsageError("--output names the profile, which --no-profile does not write: give one of them")
-    if any(a == "--max-calls" or a.startswith("--max-calls=") for a in argv) and args.max_calls < args.repeats:
-        # left at its default, --max-calls rises to --repeats; given, it is a contradiction
+    if args.max_calls is not None and args.max_calls < args.repeats:
+        # not given, --max-calls rises to --repeats; given, it is a contradiction
         raise UsageError(f"--max-calls {args.max_calls} is below --repeats {args.repeats}: a trial makes at "
                          "least --repeats timed calls")
     if args.gpus and args.device not in ("auto", "cuda"):
@@ -459,7 +460,7 @@ def _tune(args, argv: list[str]) -> int:
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
         timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
         margin=args.margin,
-        repeats=args.repeats, max_calls=max(args.max_calls, args.repeats), spread_limit=args.spread,
+        repeats=args.repeats, max_calls=args.max_calls or max(MAX_CALLS, args.repeats), spread_limit=args.spread,
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),

@@ -75,6 +75,7 @@ def one_line_error(proc):
         (["--no-profile", "-o", "p.yaml"], "which --no-profile does not write"),
         (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),
         (["--max-calls", "1", "--repeats", "3"], "--max-calls 1 is below --repeats 3"),
+        (["--max-call", "1", "--repeats", "3"], "--max-calls 1 is below --repeats 3"),  # argparse's abbreviation
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
