@@ -221,6 +221,9 @@ def tune_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-profile", action="store_true",
                    help="measure only (a worker of a shared study); write the profile later with "
                    "autotune export")
+    # Given by --gpus to its workers, after the user's own options: a worker measures and writes
+    # nothing, whatever --gpus, --output or an abbreviation of them the command held.
+    o.add_argument("--as-gpus-worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -392,6 +395,8 @@ def _tune(args, argv: list[str]) -> int:
     from .space import SearchSpace
     from .study import TuneRequest, tune
 
+    if args.as_gpus_worker:
+        args.gpus, args.output, args.no_profile = None, None, True
     if not args.model.strip():
         raise UsageError("--model is empty: name an alias (sdxl, tiny-sdxl, ...), a hub id or a folder")
     if args.no_profile and args.output:
@@ -417,7 +422,13 @@ def _tune(args, argv: list[str]) -> int:
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
 
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
-    space = space.restrict(target)
+    if args.gpus:  # restricted as each worker sees the machine: its GPU alone (no balanced placement)
+        from .runner import environment
+
+        with environment(CUDA_VISIBLE_DEVICES=_gpu_names(args.gpus)[args.gpus[0]]):
+            space = space.restrict(target)
+    else:
+        space = space.restrict(target)
     if args.list_knobs:
         console.print_space(space, target)
         return 0
@@ -651,6 +662,15 @@ def _check_gpus(gpus: list[int]) -> None:
                             "one model: run one study per model")
 
 
+def _gpu_names(gpus: list[int]) -> dict[int, str]:
+    """What CUDA_VISIBLE_DEVICES names each GPU of --gpus in a worker's environment. --gpus
+    numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set."""
+    from .fingerprint import visible_gpus
+
+    visible = visible_gpus()
+    return {g: visible[g] if visible else str(g) for g in gpus}
+
+
 def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     """One worker process per GPU, all in the request's study. Each worker is this command
     without --gpus, with CUDA_VISIBLE_DEVICES naming its GPU, so its trials see that GPU alone;
@@ -662,15 +682,11 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     import optuna
 
     from . import runner, worker
-    from .fingerprint import visible_gpus
     from .study import prepare, summarize
 
-    # --gpus numbers GPUs as torch does here: within CUDA_VISIBLE_DEVICES when it is set
-    visible = visible_gpus()
-    names = {g: visible[g] if visible else str(g) for g in args.gpus}
+    names = _gpu_names(args.gpus)
     with runner.environment(CUDA_VISIBLE_DEVICES=names[args.gpus[0]]):  # the set-up's reference runs here
         prepare(request)
-    rest = _without_option(argv, "--gpus")
     logs = request.workdir / "workers"
     logs.mkdir(parents=True, exist_ok=True)
     workers = []
@@ -686,8 +702,8 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     try:
         for gpu in args.gpus:
             log = open(logs / f"gpu{gpu}.log", "wb")
-            command = [sys.executable, "-m", "autotune", *rest, "--device", "cuda", "--study-name",
-                       request.study_name, "--storage", request.storage, "--no-profile"]
+            command = [sys.executable, "-m", "autotune", *argv, "--as-gpus-worker", "--device", "cuda",
+                       "--study-name", request.study_name, "--storage", request.storage]
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID",
                        **{GPUS_PARENT_ENV: worker.this_process()})
             # Their own session: a terminal's Ctrl-C reaches them only through interrupt_workers,
@@ -718,18 +734,6 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     return _write_profile(out, request, outcome, output)
-
-
-def _without_option(argv: list[str], option: str) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            out.append(arg)
-    return out
 
 
 def _export(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ value, never applied); tests/gpu/test_knobs_gpu.py applies them for real on a GP
 
 import copy
 import itertools
+import sys
 import time
 
 import numpy as np
@@ -435,6 +436,23 @@ def test_balanced_placement_needs_more_than_one_gpu():
     assert "more than one CUDA GPU" in why and "(0 here)" in why
     assert conflict({**baseline(), "placement": "balanced", "offload": "model"})
 
+
+
+def test_balanced_placement_counts_the_gpus_this_process_may_use(monkeypatch):
+    """A --gpus worker sees its one GPU through CUDA_VISIBLE_DEVICES; its space, and the parent's
+    restricted as the worker sees the machine, must both drop balanced placement, or the worker's
+    study is refused as measured under another space. The NVIDIA driver cannot exist here: NVML's
+    count of two GPUs is mocked, the count of the visible ones is autotune's own."""
+    import types
+
+    from autotune import fingerprint
+
+    monkeypatch.setattr(fingerprint, "cuda_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlDeviceGetCount=lambda: 2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert reason("placement", "balanced", cuda("sdxl")) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert "(1 here)" in reason("placement", "balanced", cuda("sdxl"))
 
 
 def test_balanced_placement_counts_quantized_weights_at_their_stored_size():

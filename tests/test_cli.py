@@ -205,6 +205,20 @@ def study_trials(tmp_path):
     return [t for t in study.trials if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs]
 
 
+def test_a_gpus_worker_measures_and_writes_nothing_whatever_its_command_held(cli, tmp_path):
+    """--gpus starts each worker as its own command plus --as-gpus-worker: -o, or --gpus written
+    short, left in a worker's command made it refuse to run (--output with --no-profile) or start
+    workers of its own. The worker's GPU is played by the CPU here."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli("--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "1", "--confirm", "0",
+               "--repeats", "1", "-o", "gpus.yaml", "--gpu", "0", *SMALL_WORKLOAD,
+               "--as-gpus-worker", "--device", "cpu", "--study-name", "w")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "no profile written (--no-profile)" in proc.stdout
+    assert not (tmp_path / "gpus.yaml").exists()
+    assert len(study_trials(tmp_path)) == 1
+
+
 @pytest.mark.slow
 def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)

@@ -171,9 +171,9 @@ def dispatch_whole(module, device) -> None:
 def _placement_unavailable(value, target):
     if value == "single":
         return None
-    import torch
+    from ..fingerprint import cuda_device_count
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()  # read at each call: --gpus restricts a worker's space to its GPU
     if not target.is_cuda or count < 2:
         return f"balanced placement needs more than one CUDA GPU visible ({count} here)"
     return None
