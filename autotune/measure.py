@@ -67,15 +67,19 @@ class NvmlPeak:
     another PID namespace and never show it. So both figures are kept: the process's own, and the
     device's used memory minus what was used when tracking started. The process's own is reported
     when it was ever listed ("nvml-process"); else the device's ("nvml-device", which counts other
-    processes on the GPU too).
+    processes on the GPU too). Where the driver refuses the per-process listing (vGPU, MIG), the
+    device's figure is kept; where it refuses both, polling stops (`failure` says why) and the
+    tracker falls back on torch's figures.
     """
 
-    def __init__(self, device_uuid: str, interval_s: float = 0.005):
+    def __init__(self, torch_uuid: str, interval_s: float = 0.005):
         import pynvml  # nvidia-ml-py
 
         self._nvml = pynvml
         pynvml.nvmlInit()
-        self._handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid)
+        self._handle = _nvml_handle(pynvml, torch_uuid)
+        self.failure: str | None = None
+        self._per_process = True
         self._start_used = pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
         self._interval = interval_s
         self._pid = os.getpid()
@@ -95,7 +99,7 @@ class NvmlPeak:
 
     def current(self) -> int:
         """What the source of `peak` reports now."""
-        own = self._own_usage()
+        own = self._own_usage() if self._per_process else None
         if own is not None or self.process_peak is not None:
             return own or 0
         return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
@@ -107,12 +111,22 @@ class NvmlPeak:
         return None
 
     def _run(self):
+        # An exception here would end the thread unseen and leave the peak at what it was.
         while not self._stop.is_set():
-            own = self._own_usage()
+            own = None
+            if self._per_process:
+                try:
+                    own = self._own_usage()
+                except self._nvml.NVMLError:  # not supported on this GPU: the device's figure, then
+                    self._per_process = False
             if own is not None:
                 self.process_peak = max(self.process_peak or 0, own)
             elif self.process_peak is None:  # the device's figure counts only until the process is listed
-                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+                try:
+                    used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
+                except self._nvml.NVMLError as exc:
+                    self.failure = f"NVML stopped answering: {exc}"
+                    return
                 self.device_peak = max(self.device_peak, used)
             self._stop.wait(self._interval)
 
@@ -122,15 +136,27 @@ class NvmlPeak:
         return self.peak
 
 
+def _nvml_handle(pynvml, torch_uuid: str):
+    """NVML's handle of the GPU torch names by this UUID. torch prints the UUID bare; NVML
+    prefixes it "GPU-", or "MIG-" for a MIG instance."""
+    if torch_uuid.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(torch_uuid)
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch_uuid}")
+    except pynvml.NVMLError:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"MIG-{torch_uuid}")
+
+
 @dataclass
 class MemoryReport:
     peak_bytes: int  # the figure the budget is checked against
-    source: str  # "nvml-process", "nvml-device", "torch-reserved+outside" or "rss"
+    source: str  # "nvml-process", "nvml-device", "torch-reserved+outside", "torch-reserved" or "rss"
     host_peak_rss_bytes: int
     torch_peak_allocated_bytes: int | None = None
     torch_peak_reserved_bytes: int | None = None
     nvml_sampled_peak_bytes: int | None = None  # the highest NVML reading the poller took
     outside_torch_bytes: int | None = None  # the driver's figure less torch's cache, at the end
+    nvml_failure: str | None = None  # why NVML polling stopped before the end, if it did
 
 
 def device_peak(sampled: int, reserved_peak: int | None, outside_torch: int | None) -> tuple[int, bool]:
@@ -140,9 +166,13 @@ def device_peak(sampled: int, reserved_peak: int | None, outside_torch: int | No
     accelerate's sequential offload empties torch's cache after each weight it moves, so the
     cache grows and shrinks around every layer. torch's allocator counts its own peak exactly;
     the driver holds `outside_torch` more than torch's cache (the CUDA context, kernel modules),
-    which only grows while a process runs, so reading it at the end bounds it from above."""
-    if reserved_peak is None or outside_torch is None:
+    which only grows while a process runs, so reading it at the end bounds it from above.
+    Without that reading (NVML or the CUDA context failed at the end), torch's reserved peak
+    still bounds the driver's figure from below."""
+    if reserved_peak is None:
         return sampled, False
+    if outside_torch is None:
+        return (reserved_peak, True) if reserved_peak > sampled else (sampled, False)
     exact = reserved_peak + outside_torch
     return (exact, True) if exact > sampled else (sampled, False)
 
@@ -165,8 +195,7 @@ class MemoryTracker:
             torch.cuda.init()
             torch.cuda.reset_peak_memory_stats(device)
             # Name the same GPU in torch and NVML by its UUID, whatever the device ordering.
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self._nvml = NvmlPeak(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            self._nvml = NvmlPeak(str(torch.cuda.get_device_properties(device).uuid))
 
     def report(self) -> MemoryReport:
         rss = host_peak_rss_bytes() + self.host_extra_bytes
@@ -187,12 +216,14 @@ class MemoryTracker:
         peak, from_torch = device_peak(sampled, reserved, outside)
         return MemoryReport(
             peak_bytes=peak,
-            source="torch-reserved+outside" if from_torch else self._nvml.source,
+            source=("torch-reserved" if outside is None else "torch-reserved+outside") if from_torch
+            else self._nvml.source,
             host_peak_rss_bytes=rss,
             torch_peak_allocated_bytes=allocated,
             torch_peak_reserved_bytes=reserved,
             nvml_sampled_peak_bytes=sampled,
             outside_torch_bytes=outside,
+            nvml_failure=self._nvml.failure,
         )
 
 

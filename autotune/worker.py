@@ -113,7 +113,12 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     target = Target(device=device, family=spec.family, capability=request["capability"], workload=workload)
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
-    tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)
+    try:
+        tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)
+    except Exception as exc:  # noqa: BLE001 - NVML cannot see this GPU (or no CUDA): nothing could be budgeted
+        result.update(status=classify(exc), phase="load", traceback=traceback_for_result(traceback.format_exc()),
+                      error=f"load: GPU memory cannot be tracked here: {type(exc).__name__}: {exc}".splitlines()[0][:500])
+        return result
     if host_extra_bytes:
         result["host_fork_correction_bytes"] = host_extra_bytes
     phase = "load"
@@ -200,6 +205,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             outside_torch_bytes=memory.outside_torch_bytes,
             worker_s=time.perf_counter() - started,
         )
+        if memory.nvml_failure:
+            result["nvml_failure"] = memory.nvml_failure
     return result
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from autotune.measure import summarize, timed_calls, too_slow, warm_up
 
 
@@ -148,6 +150,86 @@ def test_nvml_peak_falls_back_to_the_device_when_the_process_is_never_listed(mon
     assert nvml_peak_over(steps, monkeypatch) == (3500, "nvml-device")
 
 
+class NVMLError(Exception):
+    pass
+
+
+class RefusingNvml(FakeNvml):
+    """A driver that refuses the per-process listing (vGPU, MIG), and after `answers` polls of
+    the device's memory, every call."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, steps, answers):
+        super().__init__(steps)
+        self.answers = answers
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        raise NVMLError("Not Supported")
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        self.i += 1
+        if self.i > self.answers:
+            raise NVMLError("GPU is lost")
+        return super().nvmlDeviceGetMemoryInfo(handle)
+
+
+def test_nvml_that_refuses_the_process_listing_gives_the_devices_figure(monkeypatch):
+    from autotune.measure import NvmlPeak
+
+    fake = RefusingNvml([(1000, None), (1000, None), (2500, None), (4000, None), (3000, None)], answers=10**6)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    peak = NvmlPeak("GPU-x", interval_s=0.001)
+    deadline = time.monotonic() + 10  # a poller that died would never read on
+    while fake.i < 8 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert (peak.stop(), peak.source, peak.failure) == (3000, "nvml-device", None)
+    assert peak.current() == 2000
+
+
+def test_nvml_that_stops_answering_leaves_torchs_reserved_peak_as_the_figure(monkeypatch):
+    # Before, the poller's thread died on the first NVMLError, unseen, and the trial's peak was
+    # what it had read by then (0 here): any config would have fit. No driver or CUDA here:
+    # NVML is scripted and torch.cuda's figures stubbed, as below.
+    import torch
+
+    from autotune.measure import MemoryTracker
+
+    monkeypatch.setitem(sys.modules, "pynvml", RefusingNvml([(1000, None)], answers=2))
+
+    class Props:
+        uuid = "x"
+
+    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
+                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
+                        "memory_reserved": 200}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    report = MemoryTracker("cuda:0").report()
+    assert report.peak_bytes == 900 and report.source == "torch-reserved"
+    assert report.outside_torch_bytes is None and "GPU is lost" in report.nvml_failure
+
+
+def test_nvml_finds_torchs_gpu_by_its_bare_uuid_or_as_a_mig_instance():
+    from autotune.measure import _nvml_handle
+
+    class Nvml:
+        NVMLError = NVMLError
+
+        def __init__(self, known):
+            self.known = known
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            if uuid != self.known:
+                raise NVMLError("Not Found")
+            return uuid
+
+    assert _nvml_handle(Nvml("GPU-1a2b"), "1a2b") == "GPU-1a2b"
+    assert _nvml_handle(Nvml("MIG-1a2b"), "1a2b") == "MIG-1a2b"
+    assert _nvml_handle(Nvml("GPU-1a2b"), "GPU-1a2b") == "GPU-1a2b"
+    with pytest.raises(NVMLError):
+        _nvml_handle(Nvml("GPU-ffff"), "1a2b")
+
+
 def test_the_device_peak_is_torchs_exact_peak_plus_what_lies_outside_it_when_polling_missed_it():
     from autotune.measure import device_peak
 
@@ -156,6 +238,7 @@ def test_the_device_peak_is_torchs_exact_peak_plus_what_lies_outside_it_when_pol
     assert device_peak(6_000, 6_500, 700) == (7_200, True)
     assert device_peak(8_000, 6_500, 700) == (8_000, False)  # polling caught it (and more)
     assert device_peak(6_000, None, None) == (6_000, False)  # torch's figures were unreadable
+    assert device_peak(0, 6_500, None) == (6_500, True)  # NVML failed: torch's reserved bounds it below
 
 
 def test_nvml_current_reads_the_same_source_as_the_peak(monkeypatch):
