@@ -272,6 +272,30 @@ def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():
     assert "'xformers' is not installed" in reason("attention", "xformers", cuda("sd15"))
 
 
+@pytest.mark.parametrize("cpp_lib, usable", [
+    ("_cpp_library_load_exception = OSError('undefined symbol')\n_has_cpp_library = False\n", False),
+    # a build that compiles nothing and takes its kernels from another package: usable
+    ("_cpp_library_load_exception = None\n_has_cpp_library = False\n", True),
+    (None, True),  # a layout without the private module: taken as usable
+])
+def test_xformers_is_dropped_only_when_its_kernels_failed_to_load(tmp_path, monkeypatch, cpp_lib, usable):
+    # xFormers' wheels pin a torch of their own (installing one here would replace torch): a
+    # stand-in package, imported for real, holds what its load records.
+    package = tmp_path / "xformers"
+    package.mkdir()
+    (package / "__init__.py").write_text("__version__ = '0.0.99'\n")
+    if cpp_lib is not None:
+        (package / "_cpp_lib.py").write_text(cpp_lib)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("xformers", "xformers._cpp_lib"):  # imported afresh, and forgotten after the test
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
+    why = reason("attention", "xformers", cuda("sd15"))
+    assert (why is None) == usable, why
+    if not usable:
+        assert "xFormers 0.0.99 has no CUDA kernels that load with torch" in why
+
+
 def test_dispatcher_backends_are_flux_only_and_need_their_packages():
     assert "no-op for sdxl" in reason("attention", "flash-attn", cuda("sdxl"))
     assert "no-op for sd3" in reason("attention", "sage", cuda("sd3"))

@@ -107,10 +107,17 @@ def _xformers_unusable() -> str | None:
     import torch
     import xformers
 
-    # xformers' own record of loading its compiled library (private names, hence the defaults:
-    # a version without them is taken as usable, as before this check)
-    if not getattr(xformers, "_has_cpp_library", True):
-        build = getattr(getattr(xformers, "_cpp_lib", None), "_build_metadata", None)
+    # xformers' own record of loading its compiled library: the exception it met, or None. Not
+    # `_has_cpp_library`, which is also False in builds that compile nothing here and take their
+    # kernels from another package. Private names, hence the defaults: a version without them is
+    # taken as usable, as before this check.
+    try:
+        from xformers import _cpp_lib
+    except ImportError:
+        return None
+    failure = getattr(_cpp_lib, "_cpp_library_load_exception", None)
+    if failure is not None:
+        build = getattr(_cpp_lib, "_build_metadata", None) or getattr(failure, "build_metadata", None)
         built_for = f" (built for torch {build.torch_version})" if build else ""
         return f"xFormers {xformers.__version__} has no CUDA kernels that load with torch {torch.__version__}{built_for}"
     return None
