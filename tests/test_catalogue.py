@@ -238,6 +238,16 @@ def test_float8_and_int4_need_a_recent_cuda_gpu():
     assert not conflict({**baseline(), "quantize": "float8dq", "dtype": "bfloat16"})
 
 
+def test_float8_quantized_on_the_host_uses_torchs_quantize_kernel():
+    # with the mslk package installed, torchao's AUTO picks mslk's GPU kernel even for host weights
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    from autotune.knobs.quantize import _torchao_config
+
+    assert _torchao_config("float8dq", on_host=True).kernel_preference == KernelPreference.TORCH
+    assert _torchao_config("float8dq").kernel_preference == KernelPreference.AUTO  # on the GPU: torchao's pick
+
+
 # ---- attention ---------------------------------------------------------------------------------------
 def test_sdpa_kernel_choice_wraps_the_denoiser_call_and_only_it():
     """sdpa-math (the one kernel choice that runs on a CPU) holds SDPA to the math kernel inside

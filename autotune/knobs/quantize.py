@@ -32,7 +32,7 @@ def guide_filter(module, fqn: str = "") -> bool:
     )
 
 
-def _torchao_config(value):
+def _torchao_config(value, on_host: bool = False):
     from torchao.quantization import quant_api as q  # here: torchao is heavy to import
 
     # set_inductor_config=False: torchao's default turns on coordinate-descent tuning and the int-mm
@@ -47,6 +47,12 @@ def _torchao_config(value):
         # A row of zeros has a zero scale and quantizes to 0/0 = NaN (torchao 0.18 bounds the
         # row's max only when told to). SDXL's unconditional text embeddings are all zeros
         # (force_zeros_for_empty_prompt), so its cross-attention projections meet such rows.
+        # On the host (offload keeps weights there), torch's own quantize kernel: where the mslk
+        # package is installed, torchao's AUTO picks mslk's, which runs on a GPU only.
+        if on_host:
+            from torchao.quantization.quantize_.common import KernelPreference
+
+            owned["kernel_preference"] = KernelPreference.TORCH
         return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow(), activation_value_lb=1e-12, **owned)
     if value == "int4wo":
         # torchao 0.18's default packing (PLAIN) needs the mslk package; the tile-packed format
@@ -70,7 +76,8 @@ def _apply_quantize(pipe, value, target, config):
     from torchao.quantization import quantize_
 
     kwargs = {"filter_fn": guide_filter} if value == "int8dq-filtered" else {}
-    quantize_(denoiser(pipe), _torchao_config(value), device=_quantize_on(target, config), **kwargs)
+    on = _quantize_on(target, config)
+    quantize_(denoiser(pipe), _torchao_config(value, on_host=on is None), device=on, **kwargs)
 
 
 _CUDA_ONLY = {
