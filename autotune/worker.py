@@ -78,9 +78,12 @@ def classify(exc: BaseException) -> str:
     module = type(exc).__module__ or ""
     if module.startswith(("torch._dynamo", "torch._inductor")) or "inductor" in text:
         return COMPILE_ERROR
-    # "not_supported": cuDNN's CUDNN_STATUS_NOT_SUPPORTED (a kernel for these shapes or dtypes)
+    # "not_supported": cuDNN's CUDNN_STATUS_NOT_SUPPORTED (a kernel for these shapes or dtypes);
+    # SDPA held to kernels that take none of these inputs: "no available kernel" on CUDA, "no
+    # viable backend" on the CPU
     if isinstance(exc, NotImplementedError) or any(s in text for s in ("not implemented for", "not supported",
-                                                                       "not_supported")):
+                                                                       "not_supported", "no available kernel",
+                                                                       "no viable backend")):
         return UNSUPPORTED
     return ERROR
 

@@ -198,11 +198,21 @@ def test_a_trial_far_slower_than_the_bound_stops_after_two_warm_calls(tmp_path):
         (RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\''), worker.UNSUPPORTED),
         (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
                       "non-contiguous input."), worker.UNSUPPORTED),
+        (RuntimeError("No available kernel. Aborting execution."), worker.UNSUPPORTED),  # SDPA's, on CUDA
         (ValueError("something else"), worker.ERROR),
     ],
 )
 def test_classify(exc, status):
     assert worker.classify(exc) == status
+
+
+def test_sdpa_held_to_a_kernel_that_cannot_run_is_unsupported():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError) as caught, sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # none on the CPU
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert worker.classify(caught.value) == worker.UNSUPPORTED
 
 
 def test_classify_compile_errors():
