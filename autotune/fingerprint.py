@@ -37,11 +37,13 @@ def visible_gpus() -> list[str] | None:
     return [v.strip() for v in visible.split(",") if v.strip()]
 
 
-def _nvml_index(device: str) -> int:
+def _nvml_id(device: str) -> int | str:
+    """NVML's name for torch's `device`: its index among every GPU of the machine, or the UUID
+    that CUDA_VISIBLE_DEVICES names it by (GPU-..., MIG-...)."""
     index = int(device.split(":")[1]) if ":" in device else 0
     ids = visible_gpus()
-    if ids and index < len(ids) and ids[index].isdigit():
-        return int(ids[index])
+    if ids and index < len(ids):
+        return int(ids[index]) if ids[index].isdigit() else ids[index]
     return index
 
 
@@ -82,7 +84,9 @@ def machine(device: str) -> dict:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))
+        gpu = _nvml_id(device)
+        handle = (pynvml.nvmlDeviceGetHandleByIndex(gpu) if isinstance(gpu, int)
+                  else pynvml.nvmlDeviceGetHandleByUUID(gpu))
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         name = pynvml.nvmlDeviceGetName(handle)
         return {

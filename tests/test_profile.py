@@ -268,10 +268,12 @@ def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
 def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
     # torch numbers the visible GPUs from 0; NVML numbers every GPU on the machine
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert fingerprint.visible_gpus() is None and fingerprint._nvml_index("cuda:1") == 1
+    assert fingerprint.visible_gpus() is None and fingerprint._nvml_id("cuda:1") == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     assert fingerprint.visible_gpus() == ["2", "3"]
-    assert fingerprint._nvml_index("cuda") == 2 and fingerprint._nvml_index("cuda:1") == 3
+    assert fingerprint._nvml_id("cuda") == 2 and fingerprint._nvml_id("cuda:1") == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1f,MIG-77c2")  # named by UUID: NVML finds them so
+    assert fingerprint._nvml_id("cuda:1") == "MIG-77c2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert fingerprint.visible_gpus() == []  # no GPU visible at all
 
