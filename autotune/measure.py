@@ -157,6 +157,7 @@ class MemoryReport:
     nvml_sampled_peak_bytes: int | None = None  # the highest NVML reading the poller took
     outside_torch_bytes: int | None = None  # the driver's figure less torch's cache, at the end
     nvml_failure: str | None = None  # why NVML polling stopped before the end, if it did
+    per_gpu_peak_bytes: dict[str, int] | None = None  # each GPU's, when a pipeline spans several
 
 
 def device_peak(sampled: int, reserved_peak: int | None, outside_torch: int | None) -> tuple[int, bool]:
@@ -180,50 +181,61 @@ def device_peak(sampled: int, reserved_peak: int | None, outside_torch: int | No
 class MemoryTracker:
     """Tracks peak memory on `device` from construction to `report()`.
 
+    `gpus`: every CUDA device a pipeline placed over several GPUs uses, tracked in place of
+    `device` alone; the figure budgeted is the highest of their peaks (a budget holds per GPU).
     `host_extra_bytes` is added to the host peak: a forked trial's pages the kernel does not
     count but a fresh process would (fork_unmapped_bytes)."""
 
-    def __init__(self, device: str, host_extra_bytes: int = 0):
+    def __init__(self, device: str, host_extra_bytes: int = 0, gpus: tuple[str, ...] = ()):
         self.device = device
         self.host_extra_bytes = host_extra_bytes
-        self._nvml = None
+        self._nvml: dict[str, NvmlPeak] = {}
         if device.startswith("cuda"):
             import torch
 
             # Initialized first: given "cuda:N", reset_peak_memory_stats does not initialize CUDA
             # itself (only a bare "cuda" does, by asking for the current device) and raises.
             torch.cuda.init()
-            torch.cuda.reset_peak_memory_stats(device)
-            # Name the same GPU in torch and NVML by its UUID, whatever the device ordering.
-            self._nvml = NvmlPeak(str(torch.cuda.get_device_properties(device).uuid))
+            for gpu in gpus or (device,):
+                torch.cuda.reset_peak_memory_stats(gpu)
+                # Name the same GPU in torch and NVML by its UUID, whatever the device ordering.
+                self._nvml[gpu] = NvmlPeak(str(torch.cuda.get_device_properties(gpu).uuid))
 
     def report(self) -> MemoryReport:
         rss = host_peak_rss_bytes() + self.host_extra_bytes
-        if self._nvml is None:
+        if not self._nvml:
             return MemoryReport(peak_bytes=rss, source="rss", host_peak_rss_bytes=rss)
+        reports = {gpu: self._gpu_report(gpu, poller, rss) for gpu, poller in self._nvml.items()}
+        highest = max(reports.values(), key=lambda r: r.peak_bytes)
+        if len(reports) > 1:
+            highest.per_gpu_peak_bytes = {gpu: r.peak_bytes for gpu, r in reports.items()}
+        return highest
+
+    @staticmethod
+    def _gpu_report(gpu: str, poller: NvmlPeak, rss: int) -> MemoryReport:
         import torch
 
         allocated = reserved = outside = None
         try:
-            torch.cuda.synchronize(self.device)
-            time.sleep(2 * self._nvml._interval)  # let the poller see the final state
-            allocated = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
-            outside = max(0, self._nvml.current() - torch.cuda.memory_reserved(self.device))
+            torch.cuda.synchronize(gpu)
+            time.sleep(2 * poller._interval)  # let the poller see the final state
+            allocated = torch.cuda.max_memory_allocated(gpu)
+            reserved = torch.cuda.max_memory_reserved(gpu)
+            outside = max(0, poller.current() - torch.cuda.memory_reserved(gpu))
         except Exception:  # noqa: BLE001 - a CUDA context broken by the trial's own error (an
             pass  # illegal address, a device-side assert): what NVML saw is still the result
-        sampled = self._nvml.stop()
+        sampled = poller.stop()
         peak, from_torch = device_peak(sampled, reserved, outside)
         return MemoryReport(
             peak_bytes=peak,
             source=("torch-reserved" if outside is None else "torch-reserved+outside") if from_torch
-            else self._nvml.source,
+            else poller.source,
             host_peak_rss_bytes=rss,
             torch_peak_allocated_bytes=allocated,
             torch_peak_reserved_bytes=reserved,
             nvml_sampled_peak_bytes=sampled,
             outside_torch_bytes=outside,
-            nvml_failure=self._nvml.failure,
+            nvml_failure=poller.failure,
         )
 
 

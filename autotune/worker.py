@@ -88,6 +88,16 @@ def classify(exc: BaseException) -> str:
     return ERROR
 
 
+def placed_over(config: dict, device: str) -> tuple[str, ...]:
+    """The GPUs a config's pipeline uses, when more than `device`: every visible one when its
+    components are spread over them (balanced placement); none otherwise."""
+    if config.get("placement") != "balanced" or not device.startswith("cuda"):
+        return ()
+    from .fingerprint import cuda_device_count
+
+    return tuple(f"cuda:{i}" for i in range(cuda_device_count()))
+
+
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     """Measure one trial as `request` (trial_request) asks; the result, failures classified."""
     import numpy as np
@@ -117,7 +127,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     result: dict = {"status": OK, "threads": torch.get_num_threads()}
 
     try:
-        tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes)
+        tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes, gpus=placed_over(config, device))
     except Exception as exc:  # noqa: BLE001 - NVML cannot see this GPU (or no CUDA): nothing could be budgeted
         result.update(status=classify(exc), phase="load", traceback=traceback_for_result(traceback.format_exc()),
                       error=f"load: GPU memory cannot be tracked here: {type(exc).__name__}: {exc}".splitlines()[0][:500])
@@ -210,6 +220,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         )
         if memory.nvml_failure:
             result["nvml_failure"] = memory.nvml_failure
+        if memory.per_gpu_peak_bytes:
+            result["per_gpu_peak_bytes"] = memory.per_gpu_peak_bytes
     return result
 
 

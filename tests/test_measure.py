@@ -282,3 +282,49 @@ def test_a_peak_polling_missed_is_reported_from_torchs_figures(monkeypatch):
     # polling saw 600 at most; torch reserved 900 at its peak, and the driver holds 600 - 200 = 400 beyond it
     assert report.nvml_sampled_peak_bytes == 600 and report.outside_torch_bytes == 400
     assert report.peak_bytes == 1300 and report.source == "torch-reserved+outside"
+
+
+def test_a_pipeline_spread_over_two_gpus_is_budgeted_by_the_fuller_one(monkeypatch):
+    # Balanced placement puts components on every visible GPU; only the first was tracked, so a
+    # config that filled the second looked as small as its share of the first. No driver or
+    # CUDA here: two GPUs' NVML figures are scripted and torch.cuda's stubbed, per device.
+    import torch
+
+    from autotune import worker
+    from autotune.measure import MemoryTracker
+
+    class TwoGpus:
+        NVMLError = NVMLError
+        used = {"GPU-a": 900, "GPU-b": 5000}  # this process's use of each
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return uuid
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return FakeNvml.Info(self.used[handle])
+
+        def nvmlDeviceGetComputeRunningProcesses(self, handle):
+            return [FakeNvml.Proc(os.getpid(), self.used[handle])]
+
+    class Props:
+        def __init__(self, uuid):
+            self.uuid = uuid
+
+    monkeypatch.setitem(sys.modules, "pynvml", TwoGpus())
+    reserved = {"cuda:0": 600, "cuda:1": 4000}
+    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
+                        "max_memory_allocated": 100}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props({"cuda:0": "a", "cuda:1": "b"}[d]))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: reserved[d])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved[d])
+    monkeypatch.setattr("autotune.fingerprint.cuda_device_count", lambda: 2)
+
+    gpus = worker.placed_over({"placement": "balanced"}, "cuda")
+    assert gpus == ("cuda:0", "cuda:1") and worker.placed_over({}, "cuda") == ()
+    report = MemoryTracker("cuda", gpus=gpus).report()
+    assert report.peak_bytes == 5000 and report.per_gpu_peak_bytes == {"cuda:0": 900, "cuda:1": 5000}
+    assert report.torch_peak_reserved_bytes == 4000  # the figures beside it are that GPU's
