@@ -968,15 +968,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
-    if not sources and not args.study and not storage:
-        storage = default_storage()  # every study in the default storage
-    try:
-        studies = load(sources, storage=storage, studies=args.study)
-    except ReportError as exc:
+    if not storage and (args.study or not sources):
+        storage = default_storage()  # the --study names' storage, or every study in it
+    if storage and not args.storage and not args.workdir and not storage_file(storage).is_file():
         # export's hint, where the storage missing is the default one, not one named
-        if not args.storage and not args.workdir and str(exc).startswith(f"storage {default_storage()}: no such file"):
-            raise ReportError(f"{exc}{WORKDIR_HINT}") from None
-        raise
+        raise ReportError(f"storage {storage}: no such file {storage_file(storage)}{WORKDIR_HINT}")
+    studies = load(sources, storage=storage, studies=args.study)
     written = write_report(studies, args.out, title=args.title)
     for s in studies:
         for note in s.notes:
