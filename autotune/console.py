@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .knobs import CATALOGUE, changed
 from .sizes import format_size
+
+# knobs (and torch with them) are imported where used: reports and notebooks import this module
+# for `count` alone.
+
+
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """"1 study", "2 studies": a count with its noun in the right number."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def terminal() -> Console:
@@ -18,11 +24,15 @@ def terminal() -> Console:
 
 def config_changes(config: dict) -> str:
     """The knobs a config sets away from the baseline, as `name=value` pairs."""
+    from .knobs import changed
+
     return ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "baseline (float32, nothing enabled)"
 
 
 def _when_text(when: dict) -> str:
     """A `when` condition, short: "compile is not none" where it lists every other choice."""
+    from .knobs import CATALOGUE
+
     parts = []
     for name, wanted in when.items():
         values = wanted if isinstance(wanted, list) else [wanted]
@@ -36,6 +46,8 @@ def _when_text(when: dict) -> str:
 
 
 def print_space(space, target, out: Console | None = None) -> None:
+    from .knobs import CATALOGUE
+
     out = out or terminal()
     table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
     searched = {d.name: d for d in space.dimensions}
@@ -72,7 +84,7 @@ def print_space(space, target, out: Console | None = None) -> None:
 
 
 def _workload_text(w) -> str:
-    return f"{w.height}x{w.width}, {w.steps} step{'s' if w.steps != 1 else ''}, batch {w.batch_size}"
+    return f"{w.height}x{w.width}, {count(w.steps, 'step')}, batch {w.batch_size}"
 
 
 def print_header(out: Console, request, space) -> None:
@@ -162,7 +174,7 @@ def print_share(out: Console, outcome) -> None:
     if outcome.measured_here == total:
         return
     n = outcome.confirmed_here
-    confirmations = f"{n} confirmation trial{'s' if n != 1 else ''}" if n else ""
+    confirmations = count(n, "confirmation trial") if n else ""
     if outcome.measured_here:
         out.print(f"this run measured {outcome.measured_here} of the study's {total} trials"
                   + (f" and {confirmations}" if n else "")
@@ -190,7 +202,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     # Trial numbers are Optuna's and count these too: this line says where the gaps come from
     # (a confirmation phase's claim takes a number as well, after the search's).
     n_skipped = sum(skipped.values())
-    not_measured = (f"; not measured: {n_skipped} more proposal{'s' if n_skipped != 1 else ''} ("
+    not_measured = (f"; not measured: {count(n_skipped, 'more proposal')} ("
                     + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status}){not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "

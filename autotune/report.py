@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from .console import count
 from .errors import AutotuneError, os_reason
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, default_storage, display_url, is_masked,
                        open_storage, sqlite_url, storage_file, with_storage_file)
@@ -477,7 +478,7 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
         why = "a profile without its study" if study.source == "profile" else "none measured"
         return {}, f"{study.label}: no trials to rank knobs from ({why})"
     if len(trials) < MIN_IMPORTANCE_TRIALS:
-        return {}, (f"{study.label}: {_count(len(trials), 'successful trial')}; ranking knobs needs at "
+        return {}, (f"{study.label}: {count(len(trials), 'successful trial')}; ranking knobs needs at "
                     f"least {MIN_IMPORTANCE_TRIALS}")
     varied = [name for name in trials[0].params if len({repr(t.params.get(name)) for t in trials}) > 1]
     if not varied:
@@ -542,11 +543,6 @@ def _colors(n: int) -> list:
 
     cmap = colormaps["tab10"]
     return [cmap(i % 10) for i in range(n)]
-
-
-def _count(n: int, word: str, plural: str | None = None) -> str:
-    """"1 study", "2 studies": a count with its noun in the right number."""
-    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def _charted(studies: list[StudyData]) -> list[StudyData]:
@@ -787,7 +783,7 @@ def plot_timeline(studies: list[StudyData]):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label=f"cut: run killed, end unknown ({cut})"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
-    ticks = [f"{s.label}\n{_count(len(s.timeline), 'trial')}, "
+    ticks = [f"{s.label}\n{count(len(s.timeline), 'trial')}, "
              f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
     ax.set_yticks(range(len(studies)), ticks, fontsize=8)
     ax.invert_yaxis()
@@ -978,8 +974,8 @@ def main(argv: list[str]) -> int:
     for s in studies:
         for note in s.notes:
             print(f"note: {note}")
-    print(f"compared {_count(len(studies), 'study', 'studies')}: " + ", ".join(s.label for s in studies))
-    print(f"wrote {_count(len(written) - 1, 'chart')} and {written[-1]}")
+    print(f"compared {count(len(studies), 'study', 'studies')}: " + ", ".join(s.label for s in studies))
+    print(f"wrote {count(len(written) - 1, 'chart')} and {written[-1]}")
     return 0
 
 

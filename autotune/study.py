@@ -893,8 +893,9 @@ def changes(config: Config) -> int:
 
 
 def _knobs_changed(config: Config) -> str:
-    n = changes(config)
-    return f"{n} knob{'s' if n != 1 else ''} changed"
+    from .console import count
+
+    return f"{count(changes(config), 'knob')} changed"
 
 
 def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | None]:
