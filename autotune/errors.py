@@ -5,6 +5,8 @@ Anything raised as an `AutotuneError` reaches the user as one line (no traceback
 exit from the CLI; from the Python API it is an ordinary exception with a readable message.
 """
 
+import functools
+
 
 class AutotuneError(Exception):
     """A problem the user can fix: bad input, a missing file, an impossible budget."""
@@ -43,11 +45,15 @@ def why_unwritable(folder) -> str | None:
     return None
 
 
+@functools.cache
 def _unique_key_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
     without a word, so a knob listed twice in a space file (or a field in a hand-edited profile)
     would quietly lose the first. The YAML spec requires keys to be unique."""
     import yaml
+
+    class DuplicateKey(yaml.constructor.ConstructorError):
+        pass
 
     class Loader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
@@ -59,11 +65,11 @@ def _unique_key_loader():
                 except TypeError:
                     continue  # the safe loader's own "unhashable key" error says it below
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark)
+                    raise DuplicateKey(None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark)
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
+    Loader.DuplicateKey = DuplicateKey
     return Loader
 
 
@@ -83,8 +89,12 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
         raise error(f"{what} {path}: cannot read it ({os_reason(exc)})") from None
     except UnicodeDecodeError:
         raise error(f"{what} {path}: not UTF-8 text (a binary or foreign file?)") from None
+    loader = _unique_key_loader()
     try:
-        return yaml.load(text, Loader=_unique_key_loader())
+        return yaml.load(text, Loader=loader)
+    except loader.DuplicateKey as exc:
+        at = f" at line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
+        raise error(f"{what} {path}: {exc.problem}{at}: keep one") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
@@ -93,7 +103,4 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
             name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
             raise error(f"{what} {path}: it uses the tag {name}{at}, which safe loading refuses "
                         "(it builds no Python objects or custom types): write plain values") from None
-        twice = re.match(r"the key .* appears twice in one mapping", str(getattr(exc, "problem", "")))
-        if twice:
-            raise error(f"{what} {path}: {twice.group(0)}{at}: keep one") from None
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None
