@@ -907,11 +907,18 @@ def run_notebook(sources: str, notebook: str | Path = NOTEBOOK, out: str | Path 
                  extra_cells: list[str] = (), timeout: int = 300):
     """Execute the comparison notebook on `sources` (it reads AUTOTUNE_STUDIES) with nbclient;
     write the executed notebook to `out` and its PNG outputs to `figures_dir`. Returns the
-    executed notebook (nbformat), `extra_cells` (run after the notebook's own) included. Needs the `test` extra (nbclient, nbformat, ipykernel)."""
+    executed notebook (nbformat), `extra_cells` (run after the notebook's own) included. Needs the
+    `notebook` extra (nbclient, nbformat, ipykernel)."""
     import base64
 
-    import nbformat
-    from nbclient import NotebookClient
+    try:
+        import nbformat
+        from nbclient import NotebookClient
+    except ImportError as exc:
+        raise ReportError(f"run_notebook needs {exc.name}: pip install \"autotune[notebook]\"") from None
+    if not Path(notebook).is_file():  # installed from a wheel: the notebook stays in the repository
+        raise ReportError(f"no notebook at {notebook}: it ships with the repository "
+                          "(notebooks/compare_studies.ipynb), not the installed package; pass notebook=PATH")
 
     nb = nbformat.read(str(notebook), as_version=4)
     for source in extra_cells:

@@ -641,3 +641,11 @@ def test_the_importance_legend_covers_no_bars_and_the_notes_show(tmp_path):
     box = notes.get_window_extent(renderer)
     assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
     assert not box.overlaps(legend) and not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+
+
+def test_run_notebook_names_a_missing_notebook(tmp_path):
+    # installed from a wheel, the default path (beside the package) holds no notebook
+    from autotune.report import ReportError, run_notebook
+
+    with pytest.raises(ReportError, match="no notebook at .*: it ships with the repository"):
+        run_notebook("x", notebook=tmp_path / "gone.ipynb")
