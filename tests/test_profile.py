@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, fingerprint, load_profile
@@ -528,3 +529,19 @@ def test_a_failed_replay_shows_no_replayed_figures(written):
     console.print_verification(out, load_profile(written), failed, fits=None)
     rows = [line for line in out.file.getvalue().splitlines() if "peak memory" in line]
     assert rows and "429" not in rows[0] and rows[0].count("-") >= 2, rows
+
+
+def test_the_readmes_serving_code_runs(written):
+    """The README's serving snippet, as a user pastes it (on a tiny profile): it once applied a
+    profile to the pipeline load_pipeline had configured, which raises."""
+    from autotune.models import build_pipeline
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("In serving code:\n```python\n", 1)[1].split("```", 1)[0]
+    assert '"sdxl-8GB.yaml"' in block
+    namespace = {}
+    exec(block.replace('"sdxl-8GB.yaml"', repr(str(written))), namespace)  # noqa: S102 - the README's own code
+    assert namespace["pipe"].unet.dtype == torch.bfloat16
+    commented = [line.lstrip("# ") for line in block.splitlines() if line.startswith("# pipe = ")]
+    assert len(commented) == 1
+    exec(commented[0], {**namespace, "my_pipeline": build_pipeline(resolve_model("tiny-sd15"))})  # noqa: S102
