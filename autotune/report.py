@@ -449,12 +449,10 @@ def best_under(study: StudyData, budget_bytes: int) -> Point | None:
 
 def _unbudgeted_front(points: list[Point]) -> list[Point]:
     """The Pareto front of every successful measurement, the budget ignored."""
-    front: list[Point] = []
+    from .choice import pareto_front  # here: it imports the knob catalogue, and torch with it
+
     ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
-    for p in sorted(ok, key=lambda p: (p.peak_memory_bytes, p.latency_s)):
-        if not front or p.latency_s < front[-1].latency_s:
-            front.append(p)
-    return front
+    return pareto_front(ok, lambda p: p.peak_memory_bytes, lambda p: p.latency_s)
 
 
 def config_changes(config: dict) -> str:

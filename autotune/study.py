@@ -33,7 +33,7 @@ import optuna
 from optuna.trial import TrialState
 
 from . import quality, runner, storages, worker
-from .choice import simplest_within_noise
+from .choice import pareto_front as _front, simplest_within_noise
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline, changed
 from .models import ModelSpec
@@ -363,15 +363,8 @@ def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
 
 
 def pareto_front(feasible: list[TrialRecord]) -> list[TrialRecord]:
-    """Trials no other trial beats on both latency and peak memory, ordered by memory.
-
-    Two objectives and a handful of points: a sort and one pass, instead of recasting the study
-    as multi-objective only to read optuna's best_trials."""
-    front: list[TrialRecord] = []
-    for record in sorted(feasible, key=lambda r: (r.peak_memory_bytes, r.latency_s)):
-        if not front or record.latency_s < front[-1].latency_s:
-            front.append(record)
-    return front
+    """Trials no other trial beats on both latency and peak memory, ordered by memory."""
+    return _front(feasible, lambda r: r.peak_memory_bytes, lambda r: r.latency_s)
 
 
 def _count_by(values) -> dict:
