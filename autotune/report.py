@@ -265,7 +265,8 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
 
 def load_profile_source(path: str | Path, label: str | None = None) -> StudyData:
     """A profile's best, baseline and front; the trials of its study when its storage is found
-    (relative SQLite and journal paths are tried from here, then from the profile's folder)."""
+    (a relative SQLite or journal path is tried from the profile's folder and from here: the
+    first that holds its study)."""
     from .profile import load_profile
 
     path = Path(path)
@@ -283,15 +284,20 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
         baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
     )
-    url = _find_storage(study.get("storage"), path.parent)
-    if url and study.get("name"):
-        try:
-            measured = load_study(url, study["name"])
-        except ReportError as exc:
-            data.notes.append(f"{path.name}: trials not shown ({exc})")
-        else:
+    candidates = _storage_candidates(study.get("storage"), path.parent)
+    if candidates and study.get("name"):
+        failures = []
+        for url in candidates:
+            try:
+                measured = load_study(url, study["name"])
+            except ReportError as exc:
+                failures.append(str(exc))
+                continue
             data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
             data.image_root, data.storage = measured.image_root, url
+            break
+        else:
+            data.notes.append(f"{path.name}: trials not shown ({'; '.join(failures)})")
     elif is_masked(str(study.get("storage"))):  # the profile records no password: trying *** could lock the account
         data.notes.append(f"{path.name}: its study storage {study.get('storage')} is recorded without its password: "
                           "front and best from the profile only; give NAME@STORAGE_URL for its trials")
@@ -303,17 +309,18 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
     return data
 
 
-def _find_storage(url: str | None, profile_dir: Path) -> str | None:
+def _storage_candidates(url: str | None, profile_dir: Path) -> list[str]:
+    """Where a profile's study may be: its storage URL, and for a relative file the same path
+    from the profile's folder first (where a run with the default -o wrote both), then from here;
+    only files that exist."""
     if not url or is_masked(url):
-        return None
+        return []
     path = storage_file(url)
     if path is None:
-        return url  # a database server: try it
-    if path.is_file():
-        return url
-    if not path.is_absolute() and (profile_dir / path).is_file():
-        return with_storage_file(url, (profile_dir / path).resolve())
-    return None
+        return [url]  # a database server: try it
+    beside = [] if path.is_absolute() else [profile_dir / path]
+    found = dict.fromkeys(p.resolve() for p in [*beside, path] if p.is_file())
+    return [with_storage_file(url, p) for p in found]
 
 
 def _is_url(text: str) -> bool:

@@ -649,3 +649,22 @@ def test_run_notebook_names_a_missing_notebook(tmp_path):
 
     with pytest.raises(ReportError, match="no notebook at .*: it ships with the repository"):
         run_notebook("x", notebook=tmp_path / "gone.ipynb")
+
+
+def test_a_profiles_relative_storage_is_found_beside_it_when_here_holds_another(studies, tmp_path, monkeypatch):
+    """Run from a folder with a default storage of its own, a report of a profile made elsewhere
+    looked only there (the file existed) and showed no trials: "no study named 'roomy'"."""
+    import shutil
+
+    from autotune import report
+
+    folder, url = studies
+    for place in ("tuned-here", "elsewhere"):
+        (tmp_path / place / "autotune-studies").mkdir(parents=True)
+        shutil.copy(folder / "studies.db", tmp_path / place / "autotune-studies" / "studies.db")
+    optuna.delete_study(study_name="roomy", storage=f"sqlite:///{tmp_path / 'elsewhere' / 'autotune-studies' / 'studies.db'}")
+    profile = profile_recording(studies, tmp_path / "tuned-here" / "roomy.yaml", "sqlite:///autotune-studies/studies.db")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (loaded,) = report.load([str(profile)])
+    assert loaded.notes == [] and loaded.timeline
+    assert loaded.storage.endswith(str(tmp_path / "tuned-here" / "autotune-studies" / "studies.db"))
