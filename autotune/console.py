@@ -141,6 +141,7 @@ class TrialProgress:
                 what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
             if r.get("cut_short"):
                 what += " (cut short: far slower than the best, 2 warm calls)"
+            what += _busy_note(r)
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
@@ -157,9 +158,30 @@ class TrialProgress:
             what = f"{entry['latency_s']:.3f} s, {format_size(entry['peak_memory_bytes'])}"
             if entry["violation"] > 0:
                 what += " (over budget)"
+            what += _busy_note(entry)
         else:
             what = entry["status"]
         self.out.print(escape(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]"))
+
+
+def _busy_note(result: dict) -> str:
+    from .measure import BUSY_CPU_CORES
+
+    busy = result.get("other_cpu_cores") or 0
+    return f" (timed while other processes kept {busy:.1f} CPU cores busy)" if busy >= BUSY_CPU_CORES else ""
+
+
+def busy_timings(outcome) -> str | None:
+    """A warning when trials were timed beside other processes' work, or None."""
+    from .measure import BUSY_CPU_CORES
+
+    results = [r.result for r in outcome.records] + [c for r in outcome.records for c in r.confirmations]
+    busy = [x["other_cpu_cores"] for x in results if (x.get("other_cpu_cores") or 0) >= BUSY_CPU_CORES]
+    if not busy:
+        return None
+    return (f"warning: timings taken while other processes kept CPU cores busy (up to {max(busy):.1f}): "
+            f"{len(busy)} of {len(results)}; those latencies are slower and noisier than this machine's when "
+            "quiet, and the study keeps them; a new study (--study-name) on a quiet machine measures anew")
 
 
 def status_counts(outcome) -> str:
@@ -240,6 +262,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     if len(outcome.front) > 1:
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
+    busy = busy_timings(outcome)
+    if busy:
+        out.print(busy)
 
 
 def print_verification(out: Console, profile, result: dict, fits: bool | None = None,

@@ -287,6 +287,35 @@ def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: f
     return times, first_output
 
 
+# Other processes keeping this many CPU cores busy, on average, while a trial was timed: its timing
+# is not a quiet machine's. Measured on a 2-core VM: 0.002 cores quiet; 0.64 beside one process
+# spinning on a core (the trial's matmuls then ran with the two cores shared three ways).
+BUSY_CPU_CORES = 0.25
+
+
+class OtherCpuUse:
+    """How many CPU cores other processes kept busy, on average, from construction to `cores()`:
+    the machine's busy time (the kernel's, by psutil, hypervisor steal included) less this
+    process's own (every thread of it). A trial timed beside a busy neighbour runs slower and
+    noisier than it will serve on a quiet machine, and nothing in its own figures shows it."""
+
+    def __init__(self):
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        import psutil
+
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+
+    def cores(self) -> float:
+        (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._read()
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
+
+
 def timed_calls(
     call,
     device: str,
@@ -295,7 +324,9 @@ def timed_calls(
     spread_limit: float = 0.05,
 ) -> dict:
     """Timed calls until the median is stable: the last `min_calls` calls lie within
-    `spread_limit` of their median, or `max_calls` is reached."""
+    `spread_limit` of their median, or `max_calls` is reached. Beside them, the CPU cores other
+    processes kept busy meanwhile (`other_cpu_cores`)."""
+    others = OtherCpuUse()
     latencies: list[float] = []
     window = max(1, min_calls)
     while True:
@@ -309,6 +340,7 @@ def timed_calls(
     result = summarize(latencies)
     result["window_spread"] = recent["spread"]
     result["stable"] = stable
+    result["other_cpu_cores"] = round(others.cores(), 2)
     return result
 
 

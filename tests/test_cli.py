@@ -672,6 +672,26 @@ def test_the_summary_shows_where_an_out_of_memory_baseline_stopped():
     assert ">= 4.00 GiB" in text and "baseline: out_of_memory" in text
 
 
+def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_the_summary():
+    from rich.console import Console
+
+    from autotune.console import TrialProgress, print_summary
+    from autotune.study import StudyOutcome, TrialRecord
+
+    busy = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 1.0, "other_cpu_cores": 0.8}, 1.0,
+                       baseline=True)
+    quiet = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 0.5,
+                                                         "other_cpu_cores": 0.01}, 0.5)
+    out = Console(record=True, width=200)
+    with TrialProgress(out, 2) as progress:
+        progress.update(busy)
+        progress.update(quiet)
+    lines = [line for line in out.export_text().splitlines() if line.startswith("trial")]
+    assert "(timed while other processes kept 0.8 CPU cores busy)" in lines[0] and "busy" not in lines[1]
+    print_summary(out, StudyOutcome(records=[busy, quiet], stop_reason="done", baseline=busy, best=quiet), 2**31)
+    assert "warning: timings taken while other processes kept CPU cores busy (up to 0.8): 1 of 2;" in out.export_text()
+
+
 def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_fit(tmp_path, capsys):
     from autotune import cli as cli_module
     from autotune.console import terminal

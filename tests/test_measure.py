@@ -328,3 +328,25 @@ def test_a_pipeline_spread_over_two_gpus_is_budgeted_by_the_fuller_one(monkeypat
     report = MemoryTracker("cuda", gpus=gpus).report()
     assert report.peak_bytes == 5000 and report.per_gpu_peak_bytes == {"cuda:0": 900, "cuda:1": 5000}
     assert report.torch_peak_reserved_bytes == 4000  # the figures beside it are that GPU's
+
+
+def test_other_processes_cpu_use_is_seen_beside_a_measurement():
+    # a real neighbour spinning on a core while this process waits: its use is counted, ours not
+    from autotune.measure import BUSY_CPU_CORES, OtherCpuUse
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        others = OtherCpuUse()
+        time.sleep(1.0)
+        assert others.cores() >= max(0.5, BUSY_CPU_CORES)
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_timed_calls_record_other_processes_cpu_use():
+    from autotune.measure import timed_calls
+
+    result = timed_calls(lambda: time.sleep(0.01), "cpu", min_calls=2, max_calls=2)
+    assert result["other_cpu_cores"] >= 0
