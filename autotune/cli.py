@@ -590,8 +590,10 @@ def _write_profile(out, request, outcome, output: Path) -> int:
                 why = f"no trial completed a measurement ({outcome.stop_reason})"
             print(f"autotune: error: {why}; no profile written", file=sys.stderr)
             return EXIT_ERROR
-        seen = f"the smallest peak memory measured was {format_size(smallest)}" if smallest else \
-            "no trial recorded its peak memory"
+        # a trial stopped for memory records where it stopped: its peak was that at least
+        stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
+        seen = (f"the smallest peak memory measured was {'at least ' if stopped_there else ''}"
+                f"{format_size(smallest)}" if smallest else "no trial recorded its peak memory")
         if smallest and request.margin_bytes:
             # a fit is peak plus margin within the budget: a peak under the budget may still miss
             shown = format_size(request.margin_bytes)

@@ -198,11 +198,11 @@ def print_share(out: Console, outcome) -> None:
     n = outcome.confirmed_here
     confirmations = count(n, "confirmation trial") if n else ""
     if outcome.measured_here:
-        out.print(f"this run measured {outcome.measured_here} of the study's {total} trials"
+        out.print(f"this run measured {outcome.measured_here} of the study's {count(total, 'trial')}"
                   + (f" and {confirmations}" if n else "")
                   + "; the rest were measured by an earlier run or by other workers sharing the study")
     else:
-        out.print(f"this run measured {confirmations or 'nothing'}; the study's {total} trials were measured "
+        out.print(f"this run measured {confirmations or 'nothing'}; the study's {count(total, 'trial')} were measured "
                   "by an earlier run or by other workers sharing it")
 
 
@@ -246,7 +246,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         p90 = rec.p90_s
         table.add_row(
             label, f"{rec.latency_s:.3f} s", f"{p90:.3f} s" if p90 else "-",
-            format_size(rec.peak_memory_bytes), format_size(budget_bytes - rec.peak_memory_bytes),
+            format_size(rec.peak_memory_bytes), _headroom(budget_bytes - rec.peak_memory_bytes, margin_bytes),
             f"{cold:.1f} s" if cold else "-", speedup,
         )
         q = rec.result.get("quality") or {}
@@ -265,6 +265,11 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     busy = busy_timings(outcome)
     if busy:
         out.print(busy)
+
+
+def _headroom(left: int, margin_bytes: int) -> str:
+    """What a peak leaves under the budget; short of the margin, that config does not fit."""
+    return format_size(left) + (" (< margin)" if left < margin_bytes else "")
 
 
 def print_verification(out: Console, profile, result: dict, fits: bool | None = None,

@@ -36,7 +36,9 @@ def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:
 def parse_budget(text: str) -> int:
     """A memory budget: a size with its unit (a search for 8 bytes is a search for nothing)."""
     size = parse_size(text)
-    require_unit(text, ("GB",), "8GB, 7.5GiB, 8000MiB")
+    # 2000 is no card's GiB: more likely MB (the bare size parsed, so it is a plain number)
+    likely = "MB" if size >= 256 else "GB"
+    require_unit(text, (likely,), "8GB, 7.5GiB, 8000MiB")
     return size
 
 

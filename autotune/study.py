@@ -34,11 +34,12 @@ from optuna.trial import TrialState
 
 from . import quality, runner, storages, worker
 from .choice import pareto_front as _front, simplest_within_noise
+from .console import count
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline, changed
 from .measure import BUSY_CPU_CORES
 from .models import ModelSpec
-from .sizes import parse_margin
+from .sizes import format_size, parse_margin
 from .space import SearchSpace, config_key
 from .workload import Workload
 
@@ -541,10 +542,15 @@ def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
     wanted = _defining(asked)
     differ = [k for k, value in _defining(held).items() if value != wanted[k]]
     if differ:
-        shown = "; ".join(_space_difference(held[k], asked[k]) if k == "space" else f"{k} {held[k]} there, {asked[k]} here"
+        shown = "; ".join(_space_difference(held[k], asked[k]) if k == "space" else
+                          f"{k.removesuffix('_bytes')} {_shown(k, held[k])} there, {_shown(k, asked[k])} here"
                           for k in differ)
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
                             "its trials do not mix with these; use another --study-name")
+
+
+def _shown(key: str, value) -> str:
+    return format_size(value) if key.endswith("_bytes") and isinstance(value, int) else str(value)
 
 
 def _space_difference(held: dict, asked: dict) -> str:
@@ -722,7 +728,7 @@ def tune(
         others = _in_flight(study)
         settled = set(done) | ruled_out()
         if len(done) >= req.trials:
-            reason = f"{len(done)} trials measured (--trials {req.trials})"
+            reason = f"{count(len(done), 'trial')} measured (--trials {req.trials})"
             break
         if len(settled) >= n_configs:
             reason = (f"every one of the space's {n_configs} configurations is measured or known "
@@ -893,8 +899,6 @@ def changes(config: Config) -> int:
 
 
 def _knobs_changed(config: Config) -> str:
-    from .console import count
-
     return f"{count(changes(config), 'knob')} changed"
 
 

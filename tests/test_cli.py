@@ -692,6 +692,20 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
     assert "warning: timings taken while other processes kept CPU cores busy (up to 0.8): 1 of 2;" in out.export_text()
 
 
+def test_the_summary_marks_a_headroom_short_of_the_margin():
+    # over the budget with its margin, the baseline showed a positive headroom and nothing else
+    from rich.console import Console
+
+    from autotune.console import print_summary
+    from autotune.study import StudyOutcome, TrialRecord
+
+    MiB = 2**20
+    base = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 524 * MiB, "latency_s": 1.0}, 1.0, baseline=True)
+    out = Console(record=True, width=200)
+    print_summary(out, StudyOutcome(records=[base], stop_reason="done", baseline=base), 1024 * MiB, 512 * MiB)
+    assert "500.00 MiB (< margin)" in out.export_text()
+
+
 def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_fit(tmp_path, capsys):
     from autotune import cli as cli_module
     from autotune.console import terminal

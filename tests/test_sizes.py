@@ -82,3 +82,5 @@ def test_a_budget_needs_its_unit():
     assert parse_budget("8GB") == 8 * 2**30 and parse_budget("1024B") == 1024
     with pytest.raises(ValueError, match="'8' has no unit: did you mean 8GB"):
         parse_budget("8")
+    with pytest.raises(ValueError, match="'2000' has no unit: did you mean 2000MB"):  # not 2000GB
+        parse_budget("2000")

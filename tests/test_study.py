@@ -613,7 +613,7 @@ def test_a_study_refuses_a_run_that_measures_something_else(tmp_path):
     bigger = replace(first, workload=replace(first.workload, height=128, width=128))
     with pytest.raises(AutotuneError, match=r"measured under other settings \(workload .*use another --study-name"):
         study.tune(bigger, measure=measure)
-    with pytest.raises(AutotuneError, match="budget_bytes"):
+    with pytest.raises(AutotuneError, match="budget 1000.00 MiB there, 1.95 GiB here"):
         study.tune(replace(first, budget_bytes=2 * first.budget_bytes), measure=measure)
     # another space: a queued trial or the sampler's history holds choices this one lacks
     other = replace(first, space=SearchSpace([Dimension("dtype", ("float32", "float16"))]))
@@ -691,6 +691,9 @@ def test_any_gpu_of_the_studys_model_may_join_it():
     study._refuse_another_request(shared, {**held, "device": "cuda"})
     with pytest.raises(AutotuneError, match="device cuda:0 there, cpu here"):
         study._refuse_another_request(shared, {**held, "device": "cpu"})
+    # sizes read as sizes ("budget_bytes 2147483648 there, 3221225472 here" before)
+    with pytest.raises(AutotuneError, match=r"\(budget 1 B there, 3.00 GiB here\)"):
+        study._refuse_another_request(shared, {**held, "budget_bytes": 3 * 2**30})
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
