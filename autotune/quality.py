@@ -27,6 +27,13 @@ PSNR_CAP_DB = 100.0  # identical outputs: infinite PSNR, capped so that it stays
 BLANK_STD = 1e-3  # an image whose pixels vary less than this (on a 0..1 scale) is blank
 
 
+def auto_threshold(bfloat16_psnr_db: float | None) -> float:
+    """--min-psnr auto: from what bfloat16 alone scored (None: it did not run here)."""
+    if bfloat16_psnr_db is None:
+        return DEFAULT_MIN_PSNR_DB
+    return round(min(bfloat16_psnr_db - AUTO_SLACK_DB, AUTO_MAX_DB), 2)
+
+
 def defect(images: np.ndarray) -> str | None:
     """Why an output is unusable ("nan_output" or "blank_output"), or None."""
     if not np.isfinite(images).all():

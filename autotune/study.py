@@ -480,10 +480,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         measured = quality.assess(probe, req.reference_path)
         if measured:
             guard["bfloat16_psnr_db"] = measured["psnr_db"]
-            threshold = measured["psnr_db"] - quality.AUTO_SLACK_DB
-        else:  # bfloat16 does not run here: the fixed default
-            threshold = quality.DEFAULT_MIN_PSNR_DB
-        guard["min_psnr_db"] = round(min(threshold, quality.AUTO_MAX_DB), 2)
+        guard["min_psnr_db"] = quality.auto_threshold(measured["psnr_db"] if measured else None)
     else:
         guard["min_psnr_db"] = float(req.min_psnr_db)
     return guard
