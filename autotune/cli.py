@@ -193,7 +193,7 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--spread", type=_positive_float, default=0.05, metavar="FRACTION",
                    help="(max - min) / median the last REPEATS calls must be under (default 0.05)")
     s.add_argument("--warmup", type=_positive_int, default=1,
-                   help="untimed calls per trial at least; more (up to 5) until two agree within 10%%")
+                   help="untimed calls per trial at least; more (up to 5) until two agree within 10%% (default 1)")
     s.add_argument("--threads", type=_positive_int,
                    help="CPU threads of every trial, fixed and recorded (default: torch's default here)")
     s.add_argument("--min-psnr", type=_min_psnr, default="auto", metavar="DB",

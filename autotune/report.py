@@ -598,7 +598,13 @@ def plot_fronts(studies: list[StudyData]):
     ax.plot([], [], marker="*", ms=12, color="grey", markeredgecolor="black", ls="none", label="best")
     ax.plot([], [], marker="s", ms=8, mfc="none", color="grey", mew=2, ls="none", label="baseline")
     ax.set_xlabel(f"peak memory ({unit})")
-    ax.set_ylabel("latency per call (s)")
+    latencies = [p.latency_s for s in studies for p in s.points if p.latency_s]
+    # one trial far slower than the rest (float16 on a CPU: 100 s beside 0.4 s) flattened every
+    # other point onto the axis on a linear scale
+    log = bool(latencies) and max(latencies) > 10 * min(latencies)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("latency per call (s)" + (", log scale" if log else ""))
     ax.set_title("Feasible Pareto fronts: lower left is better")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")

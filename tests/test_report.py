@@ -668,3 +668,15 @@ def test_a_profiles_relative_storage_is_found_beside_it_when_here_holds_another(
     (loaded,) = report.load([str(profile)])
     assert loaded.notes == [] and loaded.timeline
     assert loaded.storage.endswith(str(tmp_path / "tuned-here" / "autotune-studies" / "studies.db"))
+
+
+def test_fronts_turn_to_a_log_latency_scale_when_one_trial_is_far_slower(tmp_path):
+    # a float16 trial on a CPU (100 s beside 1 s) flattened every other point onto the axis
+    from autotune import report
+
+    (study,) = report.load(synthetic_study(tmp_path, {}))
+    assert report.plot_fronts([study]).axes[0].get_yscale() == "linear"
+    slow = max(study.points, key=lambda p: p.latency_s or 0)
+    slow.latency_s = 100.0
+    ax = report.plot_fronts([study]).axes[0]
+    assert ax.get_yscale() == "log" and "log scale" in ax.get_ylabel()
