@@ -96,6 +96,7 @@ def main() -> None:
         return series(spec, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
     calls: dict[str, list[int]] = {name: [] for name in configs}
+    busy: dict[str, list[float]] = {name: [] for name in configs}  # other processes' cores, timed calls
     probes: list[float] = []
     control: list[float] = []
     control_call = in_process_call(spec, configs, args) if args.control else None
@@ -111,21 +112,23 @@ def main() -> None:
                 assert result["status"] == "ok", result
                 medians[name].append(result["latency_s"])
                 calls[name].append(result["calls"])
+                busy[name].append(result["other_cpu_cores"])
 
     print(f"{args.model} on cpu, {args.threads} threads, {args.trials} separate trials per configuration")
-    print("| configuration | trial medians (s) | timed calls per trial | spread of medians |")
-    print("|---|---|---|---|")
+    print("| configuration | trial medians (s) | timed calls per trial | other processes' CPU cores while timed "
+          "| spread of medians |")
+    print("|---|---|---|---|---|")
     for name, values in medians.items():
         spread = (max(values) - min(values)) / statistics.median(values)
         print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | "
-              f"{', '.join(map(str, calls[name]))} | {spread:.1%} |")
+              f"{', '.join(map(str, calls[name]))} | {', '.join(f'{v:.2f}' for v in busy[name])} | {spread:.1%} |")
     spread = (max(probes) - min(probes)) / statistics.median(probes)
     print(f"| (machine probe: fixed bf16 matmul loop before each trial) | "
-          f"{', '.join(f'{v:.3f}' for v in probes)} | - | {spread:.1%} |")
+          f"{', '.join(f'{v:.3f}' for v in probes)} | - | - | {spread:.1%} |")
     if control:
         spread = (max(control) - min(control)) / statistics.median(control)
         print(f"| (control: {next(iter(configs))} in one long-lived process, 5 calls before each trial) | "
-              f"{', '.join(f'{v:.3f}' for v in control)} | 5 each | {spread:.1%} |")
+              f"{', '.join(f'{v:.3f}' for v in control)} | 5 each | - | {spread:.1%} |")
 
 
 if __name__ == "__main__":
