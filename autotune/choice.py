@@ -14,25 +14,17 @@ from .knobs import Config, changed
 
 T = TypeVar("T")
 
-# Peaks within 1% of each other are one memory level: what tells them apart is page and allocator
-# rounding (two configs' peaks 4 KiB apart were seen), well inside the default 5% margin.
-SAME_MEMORY = 0.01
-
-
 def pareto_front(items: list[T], peak: Callable[[T], int], latency: Callable[[T], float]) -> list[T]:
-    """The items no other beats on both latency and peak memory, ordered by peak. An item whose
-    peak is within SAME_MEMORY of a faster one's is beaten too: kept, it would be the pick of a
-    budget that falls in the noise between them, at its slower latency.
+    """The items no other beats on both latency and peak memory, ordered by peak. Strictly: a
+    point a few KiB below a faster one stays, as the only measured config for a budget between
+    them (merging such points within a tolerance left budgets with a slower pick, or none).
 
     Two objectives and a handful of points: a sort and one pass, instead of recasting the study
     as multi-objective only to read optuna's best_trials."""
     front: list[T] = []
     for item in sorted(items, key=lambda i: (peak(i), latency(i))):
-        if front and latency(item) >= latency(front[-1]):
-            continue
-        while front and peak(item) <= peak(front[-1]) * (1 + SAME_MEMORY):
-            front.pop()
-        front.append(item)
+        if not front or latency(item) < latency(front[-1]):
+            front.append(item)
     return front
 
 
