@@ -167,8 +167,8 @@ class TrialProgress:
 def _busy_note(result: dict) -> str:
     from .measure import BUSY_CPU_CORES
 
-    busy = result.get("other_cpu_cores") or 0
-    return f" (timed while other processes kept {busy:.1f} CPU cores busy)" if busy >= BUSY_CPU_CORES else ""
+    busy = result.get("cores_taken_by_others") or 0
+    return f" (timed while other processes took {busy:.1f} of its CPU cores)" if busy >= BUSY_CPU_CORES else ""
 
 
 def busy_timings(outcome) -> str | None:
@@ -176,10 +176,11 @@ def busy_timings(outcome) -> str | None:
     from .measure import BUSY_CPU_CORES
 
     results = [r.result for r in outcome.records] + [c for r in outcome.records for c in r.confirmations]
-    busy = [x["other_cpu_cores"] for x in results if (x.get("other_cpu_cores") or 0) >= BUSY_CPU_CORES]
+    busy = [x["cores_taken_by_others"] for x in results
+            if (x.get("cores_taken_by_others") or 0) >= BUSY_CPU_CORES]
     if not busy:
         return None
-    return (f"warning: timings taken while other processes kept CPU cores busy (up to {max(busy):.1f}): "
+    return (f"warning: timings taken while other processes took the trials' CPU cores (up to {max(busy):.1f}): "
             f"{len(busy)} of {len(results)}; those latencies are slower and noisier than this machine's when "
             "quiet, and the study keeps them; a new study (--study-name) on a quiet machine measures anew")
 

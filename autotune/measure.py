@@ -287,33 +287,42 @@ def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: f
     return times, first_output
 
 
-# Other processes keeping this many CPU cores busy, on average, while a trial was timed: its timing
-# is not a quiet machine's. Measured on a 2-core VM: 0.002 cores quiet; 0.64 beside one process
-# spinning on a core (the trial's matmuls then ran with the two cores shared three ways).
+# Other processes taking this many of a CPU trial's cores, on average, while it was timed: its
+# timing is not a quiet machine's. Measured on a 2-core VM (2 threads): 0.002 cores quiet; 0.64
+# beside one process spinning on a core (the trial's matmuls then shared the two cores three ways).
 BUSY_CPU_CORES = 0.25
 
 
 class OtherCpuUse:
-    """How many CPU cores other processes kept busy, on average, from construction to `cores()`:
-    the machine's busy time (the kernel's, by psutil, hypervisor steal included) less this
-    process's own (every thread of it). A trial timed beside a busy neighbour runs slower and
-    noisier than it will serve on a quiet machine, and nothing in its own figures shows it."""
+    """How many CPU cores other processes kept busy, on average, from construction to `cores()`,
+    among the CPUs this process may run on (its affinity: a container's or a `taskset`'s, not
+    the whole host's): their busy time (the kernel's, by psutil, hypervisor steal included) less
+    this process's own (every thread of it). A trial timed beside a busy neighbour runs slower
+    and noisier than it will serve on a quiet machine, and nothing in its own figures shows it."""
 
     def __init__(self):
+        self.allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         self._start = self._read()
 
-    @staticmethod
-    def _read() -> tuple[float, float, float]:
+    def _read(self) -> tuple[float, float, float]:
         import psutil
 
-        t = psutil.cpu_times()
-        busy = t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
+        per_cpu = psutil.cpu_times(percpu=True)
+        cpus = [per_cpu[i] for i in self.allowed if i < len(per_cpu)] if self.allowed else per_cpu
+        busy = sum(t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
+                   for t in cpus)
         own = resource.getrusage(resource.RUSAGE_SELF)
         return time.perf_counter(), busy, own.ru_utime + own.ru_stime
 
     def cores(self) -> float:
         (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._read()
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
+
+    def taken_from(self, threads: int) -> float:
+        """Of `cores()`, what the trial's `threads` had to share: beyond the allowed cores it
+        leaves free (on a large host, other work on the other cores is no neighbour of its)."""
+        spare = max(0, len(self.allowed) - threads) if self.allowed else 0
+        return max(0.0, self.cores() - spare)
 
 
 def timed_calls(
@@ -324,9 +333,10 @@ def timed_calls(
     spread_limit: float = 0.05,
 ) -> dict:
     """Timed calls until the median is stable: the last `min_calls` calls lie within
-    `spread_limit` of their median, or `max_calls` is reached. Beside them, the CPU cores other
-    processes kept busy meanwhile (`other_cpu_cores`)."""
-    others = OtherCpuUse()
+    `spread_limit` of their median, or `max_calls` is reached. On a CPU, beside them, how many of
+    the trial's cores other processes took meanwhile (`cores_taken_by_others`; on a GPU, host
+    neighbours matter less, and --gpus workers time side by side by design)."""
+    others = OtherCpuUse() if device == "cpu" else None
     latencies: list[float] = []
     window = max(1, min_calls)
     while True:
@@ -340,7 +350,10 @@ def timed_calls(
     result = summarize(latencies)
     result["window_spread"] = recent["spread"]
     result["stable"] = stable
-    result["other_cpu_cores"] = round(others.cores(), 2)
+    if others:
+        import torch
+
+        result["cores_taken_by_others"] = round(others.taken_from(torch.get_num_threads()), 2)
     return result
 
 

@@ -465,7 +465,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
              "float32_call_s": result.get("latency_s"), "float32_peak_bytes": result.get("peak_memory_bytes"),
-             "other_cpu_cores": result.get("other_cpu_cores")}
+             "cores_taken_by_others": result.get("cores_taken_by_others")}
     auto = threshold and req.min_psnr_db == "auto"
     if auto or time_bfloat16:
         half = {**request["config"], "dtype": "bfloat16"}
@@ -473,7 +473,8 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
                         req.workdir / "precision", lambda: None)
         if probe["status"] == worker.OK:
             guard["bfloat16_call_s"] = probe.get("latency_s")
-            guard["other_cpu_cores"] = max(guard["other_cpu_cores"] or 0, probe.get("other_cpu_cores") or 0)
+            guard["cores_taken_by_others"] = max(guard["cores_taken_by_others"] or 0,
+                                                 probe.get("cores_taken_by_others") or 0)
     if not threshold:
         return guard
     if auto:
@@ -660,9 +661,9 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
     if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
         return seeds, None
     slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the reference calls (one call each)"
-    busy = guard.get("other_cpu_cores") or 0
+    busy = guard.get("cores_taken_by_others") or 0
     if busy >= BUSY_CPU_CORES:  # one call each, timed beside a busy neighbour: not this machine's speeds
-        return seeds, (f"{slower}, but other processes kept {busy:.1f} CPU cores busy meanwhile: the seeds "
+        return seeds, (f"{slower}, but other processes took {busy:.1f} of its CPU cores meanwhile: the seeds "
                        "stay in bfloat16")
     fp32_peak = guard.get("float32_peak_bytes")
     # a reference made with offload means plain float32 ran out of device memory
@@ -988,7 +989,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "status": result["status"],
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
-            "other_cpu_cores": result.get("other_cpu_cores"),
+            "cores_taken_by_others": result.get("cores_taken_by_others"),
         }
         confirmed = study.user_attrs.get(CONFIRMATIONS, {})
         confirmed.setdefault(str(record.number), []).append(entry)

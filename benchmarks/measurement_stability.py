@@ -96,7 +96,7 @@ def main() -> None:
         return series(spec, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
     calls: dict[str, list[int]] = {name: [] for name in configs}
-    busy: dict[str, list[float]] = {name: [] for name in configs}  # other processes' cores, timed calls
+    busy: dict[str, list[float]] = {name: [] for name in configs}  # the trials' cores others took
     probes: list[float] = []
     control: list[float] = []
     control_call = in_process_call(spec, configs, args) if args.control else None
@@ -112,10 +112,10 @@ def main() -> None:
                 assert result["status"] == "ok", result
                 medians[name].append(result["latency_s"])
                 calls[name].append(result["calls"])
-                busy[name].append(result["other_cpu_cores"])
+                busy[name].append(result["cores_taken_by_others"])
 
     print(f"{args.model} on cpu, {args.threads} threads, {args.trials} separate trials per configuration")
-    print("| configuration | trial medians (s) | timed calls per trial | other processes' CPU cores while timed "
+    print("| configuration | trial medians (s) | timed calls per trial | cores taken by other processes while timed "
           "| spread of medians |")
     print("|---|---|---|---|---|")
     for name, values in medians.items():

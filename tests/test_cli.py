@@ -678,18 +678,18 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
     from autotune.console import TrialProgress, print_summary
     from autotune.study import StudyOutcome, TrialRecord
 
-    busy = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 1.0, "other_cpu_cores": 0.8}, 1.0,
+    busy = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 1.0, "cores_taken_by_others": 0.8}, 1.0,
                        baseline=True)
     quiet = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 0.5,
-                                                         "other_cpu_cores": 0.01}, 0.5)
+                                                         "cores_taken_by_others": 0.01}, 0.5)
     out = Console(record=True, width=200)
     with TrialProgress(out, 2) as progress:
         progress.update(busy)
         progress.update(quiet)
     lines = [line for line in out.export_text().splitlines() if line.startswith("trial")]
-    assert "(timed while other processes kept 0.8 CPU cores busy)" in lines[0] and "busy" not in lines[1]
+    assert "(timed while other processes took 0.8 of its CPU cores)" in lines[0] and "busy" not in lines[1]
     print_summary(out, StudyOutcome(records=[busy, quiet], stop_reason="done", baseline=busy, best=quiet), 2**31)
-    assert "warning: timings taken while other processes kept CPU cores busy (up to 0.8): 1 of 2;" in out.export_text()
+    assert "warning: timings taken while other processes took the trials' CPU cores (up to 0.8): 1 of 2;" in out.export_text()
 
 
 def test_the_summary_marks_a_headroom_short_of_the_margin():

@@ -284,12 +284,12 @@ def test_seeds_stay_in_bfloat16_where_the_reference_calls_ran_beside_busy_neighb
     measure, measured = measure_with_outputs(lambda c: 2.5 if c["dtype"] == "bfloat16" else 1.0)
 
     def busy(req, trial_dir, tick):
-        return {**measure(req, trial_dir, tick), "other_cpu_cores": 0.9}
+        return {**measure(req, trial_dir, tick), "cores_taken_by_others": 0.9}
 
     outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto"),
                          measure=busy)
     assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
-    assert "but other processes kept 0.9 CPU cores busy meanwhile: the seeds stay in bfloat16" in outcome.seed_note
+    assert "but other processes took 0.9 of its CPU cores meanwhile: the seeds stay in bfloat16" in outcome.seed_note
 
 
 def drifting_measure(series, peak_of=lambda config, n: 500 * MiB):
