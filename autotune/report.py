@@ -982,8 +982,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
-    if not storage and (args.study or not sources):
-        storage = default_storage()  # the --study names' storage, or every study in it
+    if not storage and (any("@" not in name for name in args.study) or not (sources or args.study)):
+        storage = default_storage()  # the storage of --study names without @URL, or every study in it
     if storage and not args.storage and not args.workdir and not storage_file(storage).is_file():
         # export's hint, where the storage missing is the default one, not one named
         raise ReportError(f"storage {storage}: no such file {storage_file(storage)}{WORKDIR_HINT}")

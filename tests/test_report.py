@@ -680,3 +680,11 @@ def test_fronts_turn_to_a_log_latency_scale_when_one_trial_is_far_slower(tmp_pat
     slow.latency_s = 100.0
     ax = report.plot_fronts([study]).axes[0]
     assert ax.get_yscale() == "log" and "log scale" in ax.get_ylabel()
+
+
+def test_report_of_a_study_named_with_its_storage_needs_no_default_storage(studies, tmp_path):
+    # --study NAME@URL names its storage: the default one, absent here, was required for a while
+    _, url = studies
+    proc = run_cli("report", "--study", f"roomy@{url}", "--out", "o", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "compared 1 study" in proc.stdout and not (tmp_path / "autotune-studies").exists()
