@@ -98,7 +98,9 @@ class NvmlPeak:
         return self.device_peak if self.process_peak is None else self.process_peak
 
     def current(self) -> int:
-        """What the source of `peak` reports now."""
+        """What the source of `peak` reports now (raises where NVML stopped answering)."""
+        if self.failure:
+            raise RuntimeError(self.failure)
         own = self._own_usage() if self._per_process else None
         if own is not None or self.process_peak is not None:
             return own or 0
@@ -112,13 +114,18 @@ class NvmlPeak:
 
     def _run(self):
         # An exception here would end the thread unseen and leave the peak at what it was.
+        listed_before = False  # the listing answered once: a later error is a failure, not "not supported"
         while not self._stop.is_set():
             own = None
             if self._per_process:
                 try:
                     own = self._own_usage()
-                except self._nvml.NVMLError:  # not supported on this GPU: the device's figure, then
-                    self._per_process = False
+                    listed_before = True
+                except self._nvml.NVMLError as exc:
+                    if listed_before:
+                        self.failure = f"NVML stopped answering: {exc}"
+                        return
+                    self._per_process = False  # not supported on this GPU: the device's figure, then
             if own is not None:
                 self.process_peak = max(self.process_peak or 0, own)
             elif self.process_peak is None:  # the device's figure counts only until the process is listed

@@ -350,3 +350,37 @@ def test_timed_calls_record_other_processes_cpu_use():
 
     result = timed_calls(lambda: time.sleep(0.01), "cpu", min_calls=2, max_calls=2)
     assert result["cores_taken_by_others"] >= 0
+
+
+def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkeypatch):
+    # The listing answered, then failed: that was taken for "not supported", with no failure
+    # recorded and 0 made up for the memory outside torch's cache.
+    import torch
+
+    from autotune.measure import MemoryTracker
+
+    class Lost(FakeNvml):
+        NVMLError = NVMLError
+
+        def nvmlDeviceGetComputeRunningProcesses(self, handle):
+            if self.i >= 3:
+                raise NVMLError("GPU is lost")
+            return super().nvmlDeviceGetComputeRunningProcesses(handle)
+
+    fake = Lost([(1000, None), (1600, 600), (1600, 600)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+    class Props:
+        uuid = "x"
+
+    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
+                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
+                        "memory_reserved": 200}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    tracker = MemoryTracker("cuda:0")
+    deadline = time.monotonic() + 10
+    while fake.i < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    report = tracker.report()
+    assert "GPU is lost" in report.nvml_failure and report.outside_torch_bytes is None
+    assert report.peak_bytes == 900 and report.source == "torch-reserved"
