@@ -411,6 +411,9 @@ def _tune(args, argv: list[str]) -> int:
     if args.gpus:
         _check_gpus(args.gpus)
     device = _resolve_device("cuda" if args.gpus else args.device)
+    # the GPU whose facts (capability, model, memory) the study records: the first of --gpus,
+    # as its workers see it, not GPU 0, which --gpus may leave out (all of --gpus are one model)
+    measured_on = f"cuda:{args.gpus[0]}" if args.gpus else device
     workload = spec.default_workload
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
     workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
@@ -419,7 +422,7 @@ def _tune(args, argv: list[str]) -> int:
         workload.check(FAMILIES[spec.family].pixel_multiple)
     except ValueError as exc:
         raise UsageError(f"--{exc}") from None
-    target = Target(device=device, family=spec.family, capability=fingerprint.capability(device), workload=workload)
+    target = Target(device=device, family=spec.family, capability=fingerprint.capability(measured_on), workload=workload)
 
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
     if args.gpus:  # restricted as each worker sees the machine: its GPU alone (no balanced placement)
@@ -434,7 +437,7 @@ def _tune(args, argv: list[str]) -> int:
         return 0
     check_weights_here(spec)
 
-    machine = fingerprint.machine(device)
+    machine = {**fingerprint.machine(measured_on), "device": device}
     # no --vram: the machine's memory, in whole MiB, so that the profile's name stays short
     budget = args.budget or machine["memory_bytes"] // 2**20 * 2**20
     margin = parse_margin(args.margin, budget)

@@ -47,6 +47,21 @@ def _nvml_id(device: str) -> int | str:
     return index
 
 
+def _handle_by_uuid(pynvml, uuid: str):
+    """NVML's handle of the GPU CUDA_VISIBLE_DEVICES names by `uuid`: whole, or (CUDA takes it)
+    a prefix of it, such as GPU-8932f937."""
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except pynvml.NVMLError:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            if _text(pynvml.nvmlDeviceGetUUID(handle)).startswith(uuid):
+                return handle
+    from .errors import AutotuneError
+
+    raise AutotuneError(f"CUDA_VISIBLE_DEVICES names the GPU {uuid}, which the NVIDIA driver does not list")
+
+
 def is_device_name(name) -> bool:
     """cpu, cuda or cuda:N: the devices autotune measures on."""
     return isinstance(name, str) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None
@@ -85,8 +100,7 @@ def machine(device: str) -> dict:
 
         pynvml.nvmlInit()
         gpu = _nvml_id(device)
-        handle = (pynvml.nvmlDeviceGetHandleByIndex(gpu) if isinstance(gpu, int)
-                  else pynvml.nvmlDeviceGetHandleByUUID(gpu))
+        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu) if isinstance(gpu, int) else _handle_by_uuid(pynvml, gpu)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         name = pynvml.nvmlDeviceGetName(handle)
         return {

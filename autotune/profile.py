@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from . import fingerprint
-from .errors import ProfileError, os_reason, read_yaml, why_unwritable
+from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
 from .knobs import Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
@@ -292,7 +292,12 @@ class Profile:
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
         config = complete(self.choose(budget_bytes)["config"])
-        return apply_config(pipe, config, self._target(device))
+        try:
+            return apply_config(pipe, config, self._target(device))
+        except ProfileError:
+            raise
+        except AutotuneError as exc:  # a pipeline configured already: this profile's error, for callers
+            raise ProfileError(str(exc)) from None
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;

@@ -123,7 +123,7 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     pipe = profile.apply(build_pipeline(resolve_model("tiny-sd15")))
     assert pipe.unet.dtype.is_floating_point
     for configured in (pipe, profile.load_pipeline()):  # load_pipeline's pipeline is configured too
-        with pytest.raises(AutotuneError, match=r"this pipeline is configured already \(dtype=bfloat16, "
+        with pytest.raises(ProfileError, match=r"this pipeline is configured already \(dtype=bfloat16, "
                                                 r"fuse_qkv=True, channels_last=True\); apply a configuration "
                                                 "to a freshly loaded pipeline"):
             profile.apply(configured)
@@ -545,3 +545,33 @@ def test_the_readmes_serving_code_runs(written):
     commented = [line.lstrip("# ") for line in block.splitlines() if line.startswith("# pipe = ")]
     assert len(commented) == 1
     exec(commented[0], {**namespace, "my_pipeline": build_pipeline(resolve_model("tiny-sd15"))})  # noqa: S102
+
+
+def test_a_gpu_named_by_a_uuid_prefix_is_found_in_nvml():
+    # CUDA takes a prefix of a GPU's UUID in CUDA_VISIBLE_DEVICES; NVML's lookup wants the whole
+    # one (a raw NVMLError traceback before). No NVIDIA driver here: NVML is a stand-in.
+    class NotFound(Exception):
+        pass
+
+    class Nvml:
+        NVMLError = NotFound
+        uuids = ["GPU-1111aaaa-0000", "GPU-8932f937-1234"]
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            if uuid not in self.uuids:
+                raise NotFound("Not Found")
+            return self.uuids.index(uuid)
+
+        def nvmlDeviceGetCount(self):
+            return len(self.uuids)
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return index
+
+        def nvmlDeviceGetUUID(self, handle):
+            return self.uuids[handle].encode()
+
+    assert fingerprint._handle_by_uuid(Nvml(), "GPU-8932f937-1234") == 1
+    assert fingerprint._handle_by_uuid(Nvml(), "GPU-8932f937") == 1
+    with pytest.raises(AutotuneError, match="names the GPU GPU-ffff, which the NVIDIA driver does not list"):
+        fingerprint._handle_by_uuid(Nvml(), "GPU-ffff")
