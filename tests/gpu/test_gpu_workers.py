@@ -32,3 +32,40 @@ def test_one_worker_per_gpu_measures_and_the_parent_writes_the_profile(cli, tmp_
 def test_gpus_refuses_a_gpu_that_is_not_there(cli):
     proc = cli("--model", "tiny-sd15", "--gpus", str(torch.cuda.device_count()), "--trials", "1")
     assert proc.returncode == 1 and "no GPU" in proc.stderr
+
+
+def test_a_cuda_profile_is_verified_and_loaded_as_production_loads_it(cli, tmp_path):
+    """A study on the GPU, its profile replayed by `autotune verify` in a fresh process, and
+    loaded from Python: the CUDA paths of Profile.load_pipeline that no other test runs."""
+    import numpy as np
+
+    import autotune
+
+    (tmp_path / "space.yaml").write_text(SPACE)
+    proc = cli("--model", "tiny-sd15", "--space", "space.yaml", "--trials", "3", "--confirm", "0", "--vram", "4GB",
+               "-o", "p.yaml")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    verified = cli("verify", "p.yaml")
+    assert verified.returncode == 0, verified.stderr + verified.stdout
+    assert "replayed peak" in verified.stdout
+    print(verified.stdout[-1500:])
+    profile = autotune.load_profile(tmp_path / "p.yaml")
+    assert profile.data["machine"]["device"].startswith("cuda")
+    pipe = profile.load_pipeline()
+    assert pipe.unet.device.type == "cuda"
+    w = profile.workload
+    out = pipe(prompt="a cube", height=w.height, width=w.width, num_inference_steps=2, output_type="np")
+    assert np.isfinite(out.images).all()
+
+
+def test_the_fork_launcher_on_cuda_measures_or_says_to_spawn(cli, tmp_path):
+    """Trials forked from a preloaded server: on CUDA that works only if the server's imports left
+    CUDA uninitialized (xFormers initializes it through diffusers). Either the trials measure, or
+    the run says in one line to use --launcher spawn; never a raw "Cannot re-initialize CUDA"."""
+    (tmp_path / "space.yaml").write_text(SPACE)
+    proc = cli("--model", "tiny-sd15", "--space", "space.yaml", "--trials", "2", "--confirm", "0", "--vram", "4GB",
+               "--launcher", "fork", "--no-profile")
+    said = proc.stdout + proc.stderr
+    print(said[-2000:])
+    assert "Traceback" not in proc.stderr and "Cannot re-initialize CUDA" not in said
+    assert proc.returncode == 0 or "--launcher spawn" in said
