@@ -33,10 +33,10 @@ suite)
     # The memory tests one at a time: where the driver lists no process (a container without the
     # host's PID namespace) NVML's figure is the whole device's, which parallel tests would move.
     serial="tests/gpu/test_cuda.py tests/gpu/test_gpu_workers.py"
-    timeout -s INT 240 $py -m pytest $serial -q -rsP --timeout 220 --durations 10 \
+    timeout -s INT 280 $py -m pytest $serial -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-    timeout -s INT 320 $py -m pytest tests/gpu $(printf -- '--ignore %s ' $serial) -q -rsP -n 6 --dist worksteal \
-        --timeout 300 --durations 30 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider 2>&1 | tee -a "$out/gpu-tests.log"
+    timeout -s INT 280 $py -m pytest tests/gpu $(printf -- '--ignore %s ' $serial) -q -rsP -n 6 --dist worksteal \
+        --timeout 260 --durations 30 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider 2>&1 | tee -a "$out/gpu-tests.log"
     ;;
 memory)
     timeout -s INT 540 $py benchmarks/gpu_memory.py --steps 10 --trial-timeout 150 --out "$out"
