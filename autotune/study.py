@@ -867,7 +867,8 @@ CONTENDER_WITHIN = 0.5
 def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
     """The feasible configs that could be the fastest once measured again (fastest in the search
     first), and the baseline when it is feasible and that close: the config kept when no other
-    is faster beyond the noise (`choose_best`)."""
+    is faster beyond the noise (`choose_best`). The baseline also when other processes took its
+    cores while it was timed: its figure sets every speedup the study reports."""
 
     def first(record: TrialRecord) -> float:  # the search's measurement: the same set on a resume
         return record.result["latency_s"]
@@ -878,8 +879,10 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
     limit = first(feasible[0]) * (1 + CONTENDER_WITHIN)
     chosen = [r for r in feasible if first(r) <= limit][:CONTENDERS]
     base = outcome.baseline
-    if base and base.feasible and first(base) <= limit and base.number not in {r.number for r in chosen}:
-        chosen.append(base)
+    if base and base.number not in {r.number for r in chosen}:
+        busy = base.status == worker.OK and (base.result.get("cores_taken_by_others") or 0) >= BUSY_CPU_CORES
+        if base.feasible and first(base) <= limit or busy:
+            chosen.append(base)
     # Measured again, contenders' figures rise (the lowest of many noisy measurements is biased
     # low): a config left out on its one figure may now beat them all. It is measured again too,
     # else it would sit on the profile's Pareto front faster than the pick on evidence that

@@ -799,3 +799,19 @@ def test_the_front_is_strict_and_shared_by_the_study_and_the_report():
     points = [(600 * MiB, 0.9), (729.62 * MiB, 0.616), (730 * MiB, 0.374), (1000 * MiB, 0.2), (1005 * MiB, 0.25)]
     front = pareto_front(points, lambda p: p[0], lambda p: p[1])
     assert front == [(600 * MiB, 0.9), (729.62 * MiB, 0.616), (730 * MiB, 0.374), (1000 * MiB, 0.2)]
+
+
+def test_a_baseline_timed_beside_busy_neighbours_is_measured_again():
+    """Its one figure sets every speedup: 3.5 s timed under load against 0.9 s quiet gave 8.9x."""
+    from autotune.study import StudyOutcome, TrialRecord, contenders
+
+    def rec(n, latency, **result):
+        return TrialRecord(n, {}, "ok", {"latency_s": latency, "peak_memory_bytes": MiB, **result}, -0.5,
+                           baseline=n == 0)
+
+    fast, other = rec(1, 0.4), rec(2, 0.42)
+    quiet = StudyOutcome(records=[rec(0, 3.5), fast, other], stop_reason="done", baseline=rec(0, 3.5))
+    assert [r.number for r in contenders(quiet)] == [1, 2]  # far slower: not a contender
+    loaded = rec(0, 3.5, cores_taken_by_others=0.9)
+    busy = StudyOutcome(records=[loaded, fast, other], stop_reason="done", baseline=loaded)
+    assert [r.number for r in contenders(busy)] == [1, 2, 0]
