@@ -106,7 +106,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     from . import quality
 
     from .knobs import Target, build_configured
-    from .measure import MemoryTracker, summarize, timed_calls, too_slow, warm_up
+    from .measure import MemoryTracker, OtherCpuUse, summarize, timed_calls, too_slow, warm_up
     from .models import ModelSpec
     from .workload import Workload
 
@@ -157,6 +157,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return workload.call(pipe)
 
         phase = "warm-up"
+        during_warm_up = OtherCpuUse() if device == "cpu" else None  # for a trial cut short there
         warm_times, output = warm_up(call, device, min_calls=request["warmup"], max_calls=request["max_warmup"],
                                      slow_above_s=request["cut_above_s"])
         # The first call pays for compilation and autotuning: the cold start a server sees.
@@ -187,6 +188,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "
                                    f"over {bound:.3f} s")
             result["cut_above_s"] = bound
+            if during_warm_up:
+                result["cores_taken_by_others"] = round(during_warm_up.taken_from(torch.get_num_threads()), 2)
         else:
             result.update(
                 timed_calls(

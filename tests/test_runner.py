@@ -181,8 +181,9 @@ def test_a_trial_far_slower_than_the_bound_stops_after_two_warm_calls(tmp_path):
     assert len(warm) == 3 or (len(warm) == 2 and abs(warm[1] - warm[0]) <= 0.1 * warm[0]), warm
     assert cut["calls"] == 2 and cut["latency_s"] == pytest.approx(sum(warm[-2:]) / 2)
     assert cut["peak_memory_bytes"] > 0
+    assert cut["cores_taken_by_others"] >= 0  # measured over its warm calls, which stand for the timed ones
     full = runner.run_trial(request(repeats=3, cut_above_s=1e9), tmp_path / "full", timeout_s=300, launcher="fork")
-    assert full["calls"] >= 3 and "cut_short" not in full
+    assert full["calls"] >= 3 and "cut_short" not in full and full["cores_taken_by_others"] >= 0
 
 
 @pytest.mark.parametrize(
