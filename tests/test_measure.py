@@ -154,6 +154,30 @@ class NVMLError(Exception):
     pass
 
 
+class Props:
+    """What torch.cuda.get_device_properties tells of a GPU here: its UUID."""
+
+    def __init__(self, uuid="x"):
+        self.uuid = uuid
+
+
+def stub_torch_cuda(monkeypatch, calls=None, **given):
+    """torch.cuda as a trial reports it whose reserved memory peaked at 900 (200 reserved at the
+    end, 700 allocated at most): there is no CUDA here. `given`: functions of the device standing
+    in for some of these; `calls` records the names called, in order."""
+    import torch
+
+    figures = {"init": None, "reset_peak_memory_stats": None, "synchronize": None, "get_device_properties": Props(),
+               "max_memory_allocated": 700, "max_memory_reserved": 900, "memory_reserved": 200}
+    for name, value in figures.items():
+        def stub(*args, name=name, value=value, function=given.get(name)):
+            if calls is not None:
+                calls.append(name)
+            return function(*args) if function else value
+
+        monkeypatch.setattr(torch.cuda, name, stub)
+
+
 class RefusingNvml(FakeNvml):
     """A driver that refuses the per-process listing (vGPU, MIG), and after `answers` polls of
     the device's memory, every call."""
@@ -191,19 +215,11 @@ def test_nvml_that_stops_answering_leaves_torchs_reserved_peak_as_the_figure(mon
     # Before, the poller's thread died on the first NVMLError, unseen, and the trial's peak was
     # what it had read by then (0 here): any config would have fit. No driver or CUDA here:
     # NVML is scripted and torch.cuda's figures stubbed, as below.
-    import torch
-
     from autotune.measure import MemoryTracker
 
     monkeypatch.setitem(sys.modules, "pynvml", RefusingNvml([(1000, None)], answers=2))
 
-    class Props:
-        uuid = "x"
-
-    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
-                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
-                        "memory_reserved": 200}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    stub_torch_cuda(monkeypatch)
     report = MemoryTracker("cuda:0").report()
     assert report.peak_bytes == 900 and report.source == "torch-reserved"
     assert report.outside_torch_bytes is None and "GPU is lost" in report.nvml_failure
@@ -262,20 +278,12 @@ def test_nvml_current_reads_the_same_source_as_the_peak(monkeypatch):
 def test_a_peak_polling_missed_is_reported_from_torchs_figures(monkeypatch):
     # No NVIDIA driver or CUDA here: NVML is the script below, and torch.cuda's figures are
     # stubbed to what a trial whose reserved memory peaked between two polls would report.
-    import torch
-
     from autotune.measure import MemoryTracker
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([(1000, None), (1600, 600), (1600, 600)]))
 
-    class Props:
-        uuid = "x"
-
     calls = []
-    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
-                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
-                        "memory_reserved": 200}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, n=name: calls.append(n) or v)
+    stub_torch_cuda(monkeypatch, calls)
     report = MemoryTracker("cuda:0").report()
     # given "cuda:N", torch's reset_peak_memory_stats raises unless CUDA was initialized first
     assert calls.index("init") < calls.index("reset_peak_memory_stats")
@@ -288,8 +296,6 @@ def test_a_pipeline_spread_over_two_gpus_is_budgeted_by_the_fuller_one(monkeypat
     # Balanced placement puts components on every visible GPU; only the first was tracked, so a
     # config that filled the second looked as small as its share of the first. No driver or
     # CUDA here: two GPUs' NVML figures are scripted and torch.cuda's stubbed, per device.
-    import torch
-
     from autotune import worker
     from autotune.measure import MemoryTracker
 
@@ -309,18 +315,10 @@ def test_a_pipeline_spread_over_two_gpus_is_budgeted_by_the_fuller_one(monkeypat
         def nvmlDeviceGetComputeRunningProcesses(self, handle):
             return [FakeNvml.Proc(os.getpid(), self.used[handle])]
 
-    class Props:
-        def __init__(self, uuid):
-            self.uuid = uuid
-
     monkeypatch.setitem(sys.modules, "pynvml", TwoGpus())
     reserved = {"cuda:0": 600, "cuda:1": 4000}
-    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
-                        "max_memory_allocated": 100}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props({"cuda:0": "a", "cuda:1": "b"}[d]))
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: reserved[d])
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved[d])
+    stub_torch_cuda(monkeypatch, get_device_properties=lambda d: Props({"cuda:0": "a", "cuda:1": "b"}[d]),
+                    max_memory_reserved=reserved.get, memory_reserved=reserved.get)
     monkeypatch.setattr("autotune.fingerprint.cuda_device_count", lambda: 2)
 
     gpus = worker.placed_over({"placement": "balanced"}, "cuda")
@@ -355,8 +353,6 @@ def test_timed_calls_record_other_processes_cpu_use():
 def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkeypatch):
     # The listing answered, then failed: that was taken for "not supported", with no failure
     # recorded and 0 made up for the memory outside torch's cache.
-    import torch
-
     from autotune.measure import MemoryTracker
 
     class Lost(FakeNvml):
@@ -370,13 +366,7 @@ def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkey
     fake = Lost([(1000, None), (1600, 600), (1600, 600)])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
 
-    class Props:
-        uuid = "x"
-
-    for name, value in {"init": None, "reset_peak_memory_stats": None, "synchronize": None,
-                        "get_device_properties": Props(), "max_memory_allocated": 700, "max_memory_reserved": 900,
-                        "memory_reserved": 200}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    stub_torch_cuda(monkeypatch)
     tracker = MemoryTracker("cuda:0")
     deadline = time.monotonic() + 10
     while fake.i < 3 and time.monotonic() < deadline:
