@@ -47,19 +47,23 @@ def _nvml_id(device: str) -> int | str:
     return index
 
 
-def _handle_by_uuid(pynvml, uuid: str):
-    """NVML's handle of the GPU CUDA_VISIBLE_DEVICES names by `uuid`: whole, or (CUDA takes it)
-    a prefix of it, such as GPU-8932f937."""
-    try:
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
-    except pynvml.NVMLError:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            if _text(pynvml.nvmlDeviceGetUUID(handle)).startswith(uuid):
-                return handle
+def nvml_handle(pynvml, uuid: str):
+    """NVML's handle of the GPU with this UUID, written as torch prints it (bare), as NVML and
+    CUDA_VISIBLE_DEVICES write it (GPU-..., MIG-... for a MIG instance), or as a prefix of that,
+    which CUDA_VISIBLE_DEVICES takes (GPU-8932f937)."""
+    names = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+    for name in names:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            pass
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        if _text(pynvml.nvmlDeviceGetUUID(handle)).startswith(tuple(names)):
+            return handle
     from .errors import AutotuneError
 
-    raise AutotuneError(f"CUDA_VISIBLE_DEVICES names the GPU {uuid}, which the NVIDIA driver does not list")
+    raise AutotuneError(f"the NVIDIA driver lists no GPU {uuid}")
 
 
 def is_device_name(name) -> bool:
@@ -100,7 +104,7 @@ def machine(device: str) -> dict:
 
         pynvml.nvmlInit()
         gpu = _nvml_id(device)
-        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu) if isinstance(gpu, int) else _handle_by_uuid(pynvml, gpu)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu) if isinstance(gpu, int) else nvml_handle(pynvml, gpu)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         name = pynvml.nvmlDeviceGetName(handle)
         return {

@@ -75,9 +75,11 @@ class NvmlPeak:
     def __init__(self, torch_uuid: str, interval_s: float = 0.005):
         import pynvml  # nvidia-ml-py
 
+        from .fingerprint import nvml_handle
+
         self._nvml = pynvml
         pynvml.nvmlInit()
-        self._handle = _nvml_handle(pynvml, torch_uuid)
+        self._handle = nvml_handle(pynvml, torch_uuid)
         self.failure: str | None = None
         self._per_process = True
         self._start_used = pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
@@ -141,17 +143,6 @@ class NvmlPeak:
         self._stop.set()
         self._thread.join()
         return self.peak
-
-
-def _nvml_handle(pynvml, torch_uuid: str):
-    """NVML's handle of the GPU torch names by this UUID. torch prints the UUID bare; NVML
-    prefixes it "GPU-", or "MIG-" for a MIG instance."""
-    if torch_uuid.startswith(("GPU-", "MIG-")):
-        return pynvml.nvmlDeviceGetHandleByUUID(torch_uuid)
-    try:
-        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch_uuid}")
-    except pynvml.NVMLError:
-        return pynvml.nvmlDeviceGetHandleByUUID(f"MIG-{torch_uuid}")
 
 
 @dataclass

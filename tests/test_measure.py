@@ -6,8 +6,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from autotune.measure import summarize, timed_calls, too_slow, warm_up
 
 
@@ -223,27 +221,6 @@ def test_nvml_that_stops_answering_leaves_torchs_reserved_peak_as_the_figure(mon
     report = MemoryTracker("cuda:0").report()
     assert report.peak_bytes == 900 and report.source == "torch-reserved"
     assert report.outside_torch_bytes is None and "GPU is lost" in report.nvml_failure
-
-
-def test_nvml_finds_torchs_gpu_by_its_bare_uuid_or_as_a_mig_instance():
-    from autotune.measure import _nvml_handle
-
-    class Nvml:
-        NVMLError = NVMLError
-
-        def __init__(self, known):
-            self.known = known
-
-        def nvmlDeviceGetHandleByUUID(self, uuid):
-            if uuid != self.known:
-                raise NVMLError("Not Found")
-            return uuid
-
-    assert _nvml_handle(Nvml("GPU-1a2b"), "1a2b") == "GPU-1a2b"
-    assert _nvml_handle(Nvml("MIG-1a2b"), "1a2b") == "MIG-1a2b"
-    assert _nvml_handle(Nvml("GPU-1a2b"), "GPU-1a2b") == "GPU-1a2b"
-    with pytest.raises(NVMLError):
-        _nvml_handle(Nvml("GPU-ffff"), "1a2b")
 
 
 def test_the_device_peak_is_torchs_exact_peak_plus_what_lies_outside_it_when_polling_missed_it():

@@ -547,15 +547,16 @@ def test_the_readmes_serving_code_runs(written):
     exec(commented[0], {**namespace, "my_pipeline": build_pipeline(resolve_model("tiny-sd15"))})  # noqa: S102
 
 
-def test_a_gpu_named_by_a_uuid_prefix_is_found_in_nvml():
-    # CUDA takes a prefix of a GPU's UUID in CUDA_VISIBLE_DEVICES; NVML's lookup wants the whole
-    # one (a raw NVMLError traceback before). No NVIDIA driver here: NVML is a stand-in.
+def test_nvml_finds_a_gpu_by_its_uuid_as_torch_nvml_or_cuda_write_it():
+    """torch prints a UUID bare, NVML wants it prefixed (GPU-, or MIG- for a MIG instance), and
+    CUDA_VISIBLE_DEVICES takes a prefix of it (a raw NVMLError traceback before). No NVIDIA
+    driver here: NVML is a stand-in."""
     class NotFound(Exception):
         pass
 
     class Nvml:
         NVMLError = NotFound
-        uuids = ["GPU-1111aaaa-0000", "GPU-8932f937-1234"]
+        uuids = ["GPU-1111aaaa-0000", "GPU-8932f937-1234", "MIG-77c2-5678"]
 
         def nvmlDeviceGetHandleByUUID(self, uuid):
             if uuid not in self.uuids:
@@ -563,7 +564,7 @@ def test_a_gpu_named_by_a_uuid_prefix_is_found_in_nvml():
             return self.uuids.index(uuid)
 
         def nvmlDeviceGetCount(self):
-            return len(self.uuids)
+            return 2  # a MIG instance is no device of its own in the count
 
         def nvmlDeviceGetHandleByIndex(self, index):
             return index
@@ -571,7 +572,9 @@ def test_a_gpu_named_by_a_uuid_prefix_is_found_in_nvml():
         def nvmlDeviceGetUUID(self, handle):
             return self.uuids[handle].encode()
 
-    assert fingerprint._handle_by_uuid(Nvml(), "GPU-8932f937-1234") == 1
-    assert fingerprint._handle_by_uuid(Nvml(), "GPU-8932f937") == 1
-    with pytest.raises(AutotuneError, match="names the GPU GPU-ffff, which the NVIDIA driver does not list"):
-        fingerprint._handle_by_uuid(Nvml(), "GPU-ffff")
+    assert fingerprint.nvml_handle(Nvml(), "GPU-8932f937-1234") == 1
+    assert fingerprint.nvml_handle(Nvml(), "8932f937-1234") == 1  # as torch prints it
+    assert fingerprint.nvml_handle(Nvml(), "77c2-5678") == 2  # a MIG instance
+    assert fingerprint.nvml_handle(Nvml(), "GPU-8932f937") == 1  # a prefix, as CUDA takes it
+    with pytest.raises(AutotuneError, match="the NVIDIA driver lists no GPU GPU-ffff"):
+        fingerprint.nvml_handle(Nvml(), "GPU-ffff")
