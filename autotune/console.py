@@ -165,19 +165,18 @@ class TrialProgress:
 
 
 def _busy_note(result: dict) -> str:
-    from .measure import BUSY_CPU_CORES
+    from .measure import busy_cores
 
-    busy = result.get("cores_taken_by_others") or 0
-    return f" (timed while other processes took {busy:.1f} of its CPU cores)" if busy >= BUSY_CPU_CORES else ""
+    busy = busy_cores(result)
+    return f" (timed while other processes took {busy:.1f} of its CPU cores)" if busy else ""
 
 
 def busy_timings(outcome) -> str | None:
     """A warning when trials were timed beside other processes' work, or None."""
-    from .measure import BUSY_CPU_CORES
+    from .measure import busy_cores
 
     results = [r.result for r in outcome.records] + [c for r in outcome.records for c in r.confirmations]
-    busy = [x["cores_taken_by_others"] for x in results
-            if (x.get("cores_taken_by_others") or 0) >= BUSY_CPU_CORES]
+    busy = [b for b in map(busy_cores, results) if b]
     if not busy:
         return None
     return (f"warning: timings taken while other processes took the trials' CPU cores (up to {max(busy):.1f}): "

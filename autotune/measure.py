@@ -316,11 +316,21 @@ class OtherCpuUse:
         (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._read()
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
 
-    def taken_from(self, threads: int) -> float:
-        """Of `cores()`, what the trial's `threads` had to share: beyond the allowed cores it
-        leaves free (on a large host, other work on the other cores is no neighbour of its)."""
-        spare = max(0, len(self.allowed) - threads) if self.allowed else 0
-        return max(0.0, self.cores() - spare)
+    def taken(self) -> float:
+        """Of `cores()`, what this process's torch threads had to share: beyond the allowed cores
+        they leave free (on a large host, work on the other cores is no neighbour of theirs).
+        Rounded, as a result records it (`cores_taken_by_others`)."""
+        import torch
+
+        spare = max(0, len(self.allowed) - torch.get_num_threads()) if self.allowed else 0
+        return round(max(0.0, self.cores() - spare), 2)
+
+
+def busy_cores(measured: dict) -> float | None:
+    """The cores other processes took from a measurement (a trial's result, a confirmation, the
+    reference calls) when that many tell on its timing (BUSY_CPU_CORES); else None."""
+    taken = measured.get("cores_taken_by_others") or 0
+    return taken if taken >= BUSY_CPU_CORES else None
 
 
 def timed_calls(
@@ -349,9 +359,7 @@ def timed_calls(
     result["window_spread"] = recent["spread"]
     result["stable"] = stable
     if others:
-        import torch
-
-        result["cores_taken_by_others"] = round(others.taken_from(torch.get_num_threads()), 2)
+        result["cores_taken_by_others"] = others.taken()
     return result
 
 

@@ -37,7 +37,7 @@ from .choice import pareto_front as _front, simplest_within_noise
 from .console import count
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline, changed
-from .measure import BUSY_CPU_CORES
+from .measure import busy_cores
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
 from .space import SearchSpace, config_key
@@ -661,8 +661,8 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
     if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
         return seeds, None
     slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the reference calls (one call each)"
-    busy = guard.get("cores_taken_by_others") or 0
-    if busy >= BUSY_CPU_CORES:  # one call each, timed beside a busy neighbour: not this machine's speeds
+    busy = busy_cores(guard)
+    if busy:  # one call each, timed beside a busy neighbour: not this machine's speeds
         return seeds, (f"{slower}, but other processes took {busy:.1f} of its CPU cores meanwhile: the seeds "
                        "stay in bfloat16")
     fp32_peak = guard.get("float32_peak_bytes")
@@ -880,8 +880,7 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
     chosen = [r for r in feasible if first(r) <= limit][:CONTENDERS]
     base = outcome.baseline
     if base and base.number not in {r.number for r in chosen}:
-        busy = base.status == worker.OK and (base.result.get("cores_taken_by_others") or 0) >= BUSY_CPU_CORES
-        if base.feasible and first(base) <= limit or busy:
+        if base.feasible and first(base) <= limit or base.status == worker.OK and busy_cores(base.result):
             chosen.append(base)
     # Measured again, contenders' figures rise (the lowest of many noisy measurements is biased
     # low): a config left out on its one figure may now beat them all. It is measured again too,

@@ -189,7 +189,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
                                    f"over {bound:.3f} s")
             result["cut_above_s"] = bound
             if during_warm_up:
-                result["cores_taken_by_others"] = round(during_warm_up.taken_from(torch.get_num_threads()), 2)
+                result["cores_taken_by_others"] = during_warm_up.taken()
         else:
             result.update(
                 timed_calls(
