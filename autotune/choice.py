@@ -8,11 +8,19 @@ why: study.choose_best's docstring.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .knobs import Config, changed
+if TYPE_CHECKING:
+    from .knobs import Config
 
 T = TypeVar("T")
+
+
+def changes(config: Config) -> int:
+    """How many knobs a config sets away from the default pipeline."""
+    from .knobs import changed  # here: the catalogue imports torch, and the report needs none
+
+    return len(changed(config))
 
 def pareto_front(items: list[T], peak: Callable[[T], int], latency: Callable[[T], float]) -> list[T]:
     """The items no other beats on both latency and peak memory, ordered by peak. Strictly: a
@@ -35,4 +43,4 @@ def simplest_within_noise(confirmed: list[T], latency: Callable[[T], float],
     higher than the fastest one's slowest trial, then the lowest median."""
     fastest = min(confirmed, key=latency)
     within_noise = [c for c in confirmed if latency(c) <= max(latencies(fastest))]
-    return min(within_noise, key=lambda c: (len(changed(config(c))), latency(c)))
+    return min(within_noise, key=lambda c: (changes(config(c)), latency(c)))

@@ -291,11 +291,9 @@ class Profile:
         if expected not in (cls.__name__ for cls in type(pipe).__mro__):
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
-        config = complete(self.choose(budget_bytes)["config"])
+        config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         try:
-            return apply_config(pipe, config, self._target(device))
-        except ProfileError:
-            raise
+            return apply_config(pipe, config, target)
         except AutotuneError as exc:  # a pipeline configured already: this profile's error, for callers
             raise ProfileError(str(exc)) from None
 

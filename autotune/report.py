@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from .choice import pareto_front
 from .console import count
 from .errors import AutotuneError, os_reason
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, default_storage, display_url, is_masked,
@@ -365,10 +366,10 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
     for entry in sources:
         name, _, url = entry.partition("@")
         url = _as_url(url)
-        if url and _is_url(url):
-            add([], f"{name}@{display_url(url)}", lambda: load_study(url, name))
-        elif _is_url(_as_url(entry)):
-            entry = _as_url(entry)
+        if url and _is_url(url):  # its key known before loading: a study given twice is loaded once
+            add([_study_key(url, name)], f"{name}@{display_url(url)}", lambda: load_study(url, name))
+        elif _is_url(as_url := _as_url(entry)):
+            entry = as_url
             # autotune's studies only: a storage may hold other Optuna studies beside them
             names = [s.study_name for s in _open_storage(entry).get_all_studies() if "request" in s.user_attrs]
             if not names:
@@ -456,8 +457,6 @@ def best_under(study: StudyData, budget_bytes: int) -> Point | None:
 
 def _unbudgeted_front(points: list[Point]) -> list[Point]:
     """The Pareto front of every successful measurement, the budget ignored."""
-    from .choice import pareto_front  # here: it imports the knob catalogue, and torch with it
-
     ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
     return pareto_front(ok, lambda p: p.peak_memory_bytes, lambda p: p.latency_s)
 

@@ -33,10 +33,10 @@ import optuna
 from optuna.trial import TrialState
 
 from . import quality, runner, storages, worker
-from .choice import pareto_front as _front, simplest_within_noise
+from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import count
 from .errors import AutotuneError
-from .knobs import CATALOGUE, Config, Target, baseline, changed
+from .knobs import CATALOGUE, Config, Target, baseline
 from .measure import busy_cores
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -301,7 +301,8 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
     """The study's measured trials, baseline, pick and front; `guard_asked`: the request runs with
     the quality guard, whose calibration the outcome then reports."""
     records = []
-    confirmed = study.user_attrs.get(CONFIRMATIONS, {})
+    attrs = study.user_attrs  # each read is a query and a deep copy
+    confirmed = attrs.get(CONFIRMATIONS, {})
     trials = study.get_trials(deepcopy=False)  # one read of the storage: measured and not
     for frozen in (t for t in trials if t.state == TrialState.COMPLETE):
         record = record_of(frozen, confirmed.get(str(frozen.number)))
@@ -322,8 +323,8 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         "not_measured": _count_by(filter(None, map(_why_not_measured, trials))),
     }
     outcome.guard_asked = guard_asked
-    outcome.quality_guard = study.user_attrs.get("quality_guard") if guard_asked else None
-    outcome.seed_note = study.user_attrs.get("seed_note")
+    outcome.quality_guard = attrs.get("quality_guard") if guard_asked else None
+    outcome.seed_note = attrs.get("seed_note")
     return outcome
 
 
@@ -891,11 +892,6 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
         taken = {r.number for r in chosen}
         chosen += [r for r in feasible if r.number not in taken and first(r) < min(medians)]
     return chosen
-
-
-def changes(config: Config) -> int:
-    """How many knobs a config sets away from the default pipeline."""
-    return len(changed(config))
 
 
 def _knobs_changed(config: Config) -> str:
