@@ -612,7 +612,7 @@ def plot_fronts(studies: list[StudyData]):
 
 def plot_best_vs_budget(studies: list[StudyData]):
     """The best latency each study measured for any budget: solid within the study's budget,
-    dashed beyond it (over-budget measurements: what more memory would buy). A dot marks the
+    dotted beyond it (over-budget measurements: what more memory would buy). A dot marks the
     study's own budget, labelled with its speedup over its baseline."""
     studies = _charted(studies)
     fig = _figure(9, 5)
@@ -622,26 +622,21 @@ def plot_best_vs_budget(studies: list[StudyData]):
     edge = max([top, *shown])  # budgets far beyond every point are not drawn; curves end here
     unit, scale = memory_unit([edge])
     for s, color in zip(studies, _colors(len(studies))):
-        if not s.front:
-            # dotted like every measurement over a budget, as the title says (it drew nothing)
+        if s.front:
+            right = min(s.budget_bytes or edge, edge)
+            xs = [p.peak_memory_bytes for p in s.front] + [max(right, s.front[-1].peak_memory_bytes)]
+            ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
+            ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
+                    label=s.label, gid=f"budget-curve:{s.label}")
+            last = s.front[-1]  # measured over the budget: what more memory would buy, from here
+            over = [last] + [p for p in _unbudgeted_front(s.points)
+                             if p.peak_memory_bytes > last.peak_memory_bytes and p.latency_s < last.latency_s]
+        else:  # nothing fits: only the over-budget line (it drew nothing)
             over = _unbudgeted_front(s.points)
+        if len(over) > (1 if s.front else 0):
             ax.plot([p.peak_memory_bytes / scale for p in over], [p.latency_s for p in over], color=color,
                     ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
-                    label=f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
-            continue
-        right = min(s.budget_bytes or edge, edge)
-        xs = [p.peak_memory_bytes for p in s.front] + [max(right, s.front[-1].peak_memory_bytes)]
-        ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
-        ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
-                label=s.label, gid=f"budget-curve:{s.label}")
-        beyond = [p for p in _unbudgeted_front(s.points) if p.peak_memory_bytes > s.front[-1].peak_memory_bytes
-                  and p.latency_s < s.front[-1].latency_s]
-        if beyond:
-            start = s.front[-1]
-            bx = [start.peak_memory_bytes] + [p.peak_memory_bytes for p in beyond]
-            by = [start.latency_s] + [p.latency_s for p in beyond]
-            ax.plot([x / scale for x in bx], by, color=color, ls=":", drawstyle="steps-post",
-                    gid=f"over-budget:{s.label}")
+                    label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
             ax.plot([s.budget_bytes / scale], [s.best.latency_s], "o", color=color, ms=8,
                     gid=f"at-budget:{s.label}")
