@@ -18,8 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_opens, default_storage, display_url, keeps_nothing,
-                       open_storage, storage_file)
+from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_opens, check_url, default_storage, display_url, keeps_nothing,
+                       open_storage, require_file, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
@@ -759,14 +759,12 @@ def _export(argv: list[str]) -> int:
     storage = args.storage or default_storage(args.workdir)
     if args.output:
         _check_not_the_storage(args.output, storage)
-    try:
-        backend = open_storage(storage, existing=True)
+    check_url(storage)
+    try:  # no storage file yet: "no study", with a hint where it is the default one
+        require_file(storage, "" if args.storage or args.workdir else WORKDIR_HINT)
     except AutotuneError as exc:
-        kept = storage_file(storage)
-        if kept is None or kept.is_file():  # a server that does not answer, a foreign file: not "no study"
-            raise
-        hint = "" if args.storage or args.workdir else WORKDIR_HINT
-        raise AutotuneError(f"no study {args.study_name!r}: {exc}{hint}") from None
+        raise AutotuneError(f"no study {args.study_name!r}: {exc}") from None
+    backend = open_storage(storage, existing=True)
     try:
         study = optuna.load_study(study_name=args.study_name, storage=backend)
     except KeyError:

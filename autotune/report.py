@@ -27,8 +27,8 @@ from pathlib import Path
 from .choice import pareto_front
 from .console import count
 from .errors import AutotuneError, os_reason
-from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, default_storage, display_url, is_masked,
-                       open_storage, sqlite_url, storage_file, with_storage_file)
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_url, default_storage, display_url,
+                       is_masked, open_storage, require_file, sqlite_url, storage_file, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -206,11 +206,16 @@ def _stale_end(t, retried: set, starts: list[datetime]) -> tuple[datetime, bool]
 SQLITE_HEADER = b"SQLite format 3\0"
 
 
-def _open_storage(url: str):
+def _checked(check, *args, **kwargs):
+    """`check`'s answer, its AutotuneError as a ReportError."""
     try:
-        return open_storage(url, existing=True)  # a missing file is an error, not created
+        return check(*args, **kwargs)
     except AutotuneError as exc:
         raise ReportError(str(exc)) from None
+
+
+def _open_storage(url: str):
+    return _checked(open_storage, url, existing=True)  # a missing file is an error, not created
 
 
 def _is_sqlite_file(text: str) -> bool:
@@ -225,13 +230,14 @@ def _is_sqlite_file(text: str) -> bool:
         return False
 
 
-def load_study(url: str, name: str, label: str | None = None) -> StudyData:
-    """One study of a storage, as measured: points, front, best, baseline, timeline."""
+def load_study(url: str, name: str, label: str | None = None, storage=None) -> StudyData:
+    """One study of a storage, as measured: points, front, best, baseline, timeline.
+    `storage`: the storage of `url` opened already (a report reading several of its studies)."""
     import optuna
 
     from .study import summarize
 
-    storage = _open_storage(url)
+    storage = storage or _open_storage(url)
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
@@ -244,7 +250,7 @@ def load_study(url: str, name: str, label: str | None = None) -> StudyData:
                           "(it records no request)")
     outcome = summarize(study)
     measured = {r.number for r in outcome.records}
-    trials = study.get_trials(deepcopy=False)
+    trials = outcome.trials
     path = storage_file(url)
     data = StudyData(
         label=label or "", name=name, storage=url, model=request.get("model", {}),
@@ -336,9 +342,8 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
     if isinstance(sources, str):
         sources = sources.split()
     sources = [str(s) for s in sources or []]
-    if storage is not None and not _is_url(storage):
-        # always a storage, never a profile: a path gets the URL to write (open_storage's line)
-        _open_storage(storage)
+    if storage is not None:  # always a storage, never a profile: a path gets the URL to write
+        _checked(check_url, storage)
     out: list[StudyData] = []
     for name in studies or []:
         sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
@@ -371,11 +376,13 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         elif _is_url(as_url := _as_url(entry)):
             entry = as_url
             # autotune's studies only: a storage may hold other Optuna studies beside them
-            names = [s.study_name for s in _open_storage(entry).get_all_studies() if "request" in s.user_attrs]
+            backend = _open_storage(entry)  # opened once for all its studies
+            names = [s.study_name for s in backend.get_all_studies() if "request" in s.user_attrs]
             if not names:
                 raise ReportError(f"storage {display_url(entry)}: it holds no study made by autotune")
             for n in names:
-                add([_study_key(entry, n)], display_url(entry), lambda n=n: load_study(entry, n))
+                add([_study_key(entry, n)], display_url(entry),
+                    lambda n=n: load_study(entry, n, storage=backend))
         elif entry.endswith((".yaml", ".yml")) or Path(entry).is_file():
             add([("profile", Path(entry).resolve())], entry, lambda: load_profile_source(entry))
         else:
@@ -978,9 +985,8 @@ def main(argv: list[str]) -> int:
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
     if not storage and (any("@" not in name for name in args.study) or not (sources or args.study)):
         storage = default_storage()  # the storage of --study names without @URL, or every study in it
-    if storage and not args.storage and not args.workdir and not storage_file(storage).is_file():
-        # export's hint, where the storage missing is the default one, not one named
-        raise ReportError(f"storage {storage}: no such file {storage_file(storage)}{WORKDIR_HINT}")
+    if storage and not args.storage and not args.workdir:  # the default one, not one named: a hint
+        _checked(require_file, storage, WORKDIR_HINT)
     studies = load(sources, storage=storage, studies=args.study)
     written = write_report(studies, args.out, title=args.title)
     for s in studies:

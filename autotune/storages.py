@@ -189,13 +189,10 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
     shown = display_url(url)
-    if "://" not in url and not url.startswith("journal:"):
-        # a path typed where a URL goes: SQLAlchemy's "Could not parse SQLAlchemy URL" says less
-        raise AutotuneError(f"storage {url}: not a storage URL; for a SQLite file write "
-                            f"{sqlite_url(Path(url))}, for a journal file journal:{url}")
+    check_url(url)
     path = storage_file(url)
-    if existing and path is not None and not path.is_file():
-        raise AutotuneError(f"storage {url}: no such file {path}")
+    if existing:  # a reader: nothing to create
+        require_file(url)
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
         raise AutotuneError(f"storage {url}: no such folder {path.parent}")
     if existing and path is not None and not url.startswith("journal:") and not _has_optuna_tables(path):
@@ -218,6 +215,23 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         raise AutotuneError(f"storage {shown}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+
+
+def check_url(url: str) -> None:
+    """One AutotuneError if `url` is not written as a storage URL (a path typed where a URL goes:
+    SQLAlchemy's "Could not parse SQLAlchemy URL" says less)."""
+    if url != "memory" and "://" not in url and not url.startswith("journal:"):
+        raise AutotuneError(f"storage {url}: not a storage URL; for a SQLite file write "
+                            f"{sqlite_url(Path(url))}, for a journal file journal:{url}")
+
+
+def require_file(url: str, hint: str = "") -> None:
+    """One AutotuneError if `url` names a SQLite or journal file that is not there; `hint` is
+    added to it (WORKDIR_HINT where the URL is the default storage, not one the user named)."""
+    check_url(url)
+    path = storage_file(url)
+    if path is not None and not path.is_file():
+        raise AutotuneError(f"storage {url}: no such file {path}{hint}")
 
 
 def check_opens(url: str) -> None:

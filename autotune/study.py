@@ -167,6 +167,7 @@ class StudyOutcome:
     measured_here: int = 0  # trials this worker measured (the others measured the rest)
     confirmed_here: int = 0  # confirmation trials this worker measured
     choice_note: str | None = None  # why a simpler config was kept over a faster median, if it was
+    trials: list = field(default_factory=list, repr=False)  # every trial as read, for reports not to read again
 
     @property
     def smallest_peak_bytes(self) -> int | None:
@@ -309,7 +310,7 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         if record and record.duplicate_of is None:
             records.append(record)
     feasible = [r for r in records if r.feasible]
-    outcome = StudyOutcome(records=records, stop_reason=stop_reason)
+    outcome = StudyOutcome(records=records, stop_reason=stop_reason, trials=trials)
     outcome.baseline = next((r for r in records if r.baseline), None)
     outcome.best, outcome.choice_note = choose_best(feasible)
     outcome.front = pareto_front(feasible)
