@@ -48,7 +48,11 @@ def one_line_error(proc):
         (["--gpus", "0,0"], "distinct GPU indices"),
         (["--storage", "nosuchdb://x", "--trials", "1"], "storage nosuchdb://x: cannot open it"),
         (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
-        (["export", "--study-name", "missing"], "studies.db: no such file"),
+        (["export", "--study-name", "missing"],
+         "no study 'missing': storage sqlite:///autotune-studies/studies.db: no such file "
+         "autotune-studies/studies.db (tuned with --workdir? give the same here)"),
+        (["export", "--study-name", "x", "--storage", "studies.db"],
+         "storage studies.db: not a storage URL; for a SQLite file write sqlite:///studies.db"),
         (["export", "--study-name", "x", "--storage", "sqlite:///a.db", "--workdir", "w"], "not allowed with"),
         (["--vram", "8"], "'8' has no unit: did you mean 8GB?"),  # else 8 bytes, and a search for nothing
         (["--seed", str(2**70), "--trials", "1"], "--seed must be a whole number from -2**63"),
