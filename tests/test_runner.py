@@ -49,7 +49,6 @@ def test_a_trial_measures_latency_memory_and_cold_start(tmp_path, launcher):
     assert result["peak_memory_bytes"] > 100 * 2**20  # a process holding torch
     assert result["cold_start_s"] >= result["first_call_s"] > 0
     assert result["wall_s"] >= result["cold_start_s"]
-    assert result["threads"] >= 1
 
 
 def test_a_forked_trial_reports_no_less_host_memory_than_a_fresh_process(tmp_path):
@@ -181,9 +180,26 @@ def test_a_trial_far_slower_than_the_bound_stops_after_two_warm_calls(tmp_path):
     assert len(warm) == 3 or (len(warm) == 2 and abs(warm[1] - warm[0]) <= 0.1 * warm[0]), warm
     assert cut["calls"] == 2 and cut["latency_s"] == pytest.approx(sum(warm[-2:]) / 2)
     assert cut["peak_memory_bytes"] > 0
-    assert cut["cores_taken_by_others"] >= 0  # measured over its warm calls, which stand for the timed ones
     full = runner.run_trial(request(repeats=3, cut_above_s=1e9), tmp_path / "full", timeout_s=300, launcher="fork")
-    assert full["calls"] >= 3 and "cut_short" not in full and full["cores_taken_by_others"] >= 0
+    assert full["calls"] >= 3 and "cut_short" not in full
+
+
+def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path):
+    # Cut after its warm calls, a trial has no timed ones: the cores other processes took are
+    # counted over the warm calls, which stand for them. A real neighbour spins on a core, and the
+    # trial runs as many threads as it may use cores, so none is spare.
+    cores = len(os.sched_getaffinity(0))
+    runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")  # server up
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        cut = runner.run_trial(request(repeats=3, cut_above_s=0.0, threads=cores), tmp_path / "cut",
+                               timeout_s=300, launcher="fork")
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert cut["status"] == worker.OK and "cut_short" in cut
+    assert cut["cores_taken_by_others"] >= 0.5, cut
 
 
 @pytest.mark.parametrize(
@@ -255,8 +271,11 @@ def test_process_start_names_one_living_process():
     child.wait()
     assert worker.process_start(child.pid) is None
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    time.sleep(2)  # exited, not yet reaped: a zombie is gone too
-    assert worker.process_start(zombie.pid) is None
+    deadline = time.monotonic() + 60
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.05)
+    assert worker.process_start(zombie.pid) is None  # a zombie is gone too
     zombie.wait()
 
 
@@ -315,7 +334,7 @@ def test_a_fork_server_still_importing_ends_when_autotune_is_killed(tmp_path):
     subprocess.run([sys.executable, "-c", "import autotune.preload"], check=True, env=os.environ)
     importing_s = time.monotonic() - started
     # killed 0.5 s in, an importing server would outlive autotune by importing_s - 0.5 s: past the
-    # 2 s allowed below whenever the imports take over 2.5 s (5.5 s on the 2-core Xeon)
+    # importing_s / 2 allowed below whenever the imports take over 1 s (5.5 s on the 2-core Xeon)
     if importing_s < 3:
         pytest.skip(f"the imports take {importing_s:.1f} s here: too quick to tell an early end from a late one")
     parent = subprocess.Popen([sys.executable, "-c", SERVER_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -328,12 +347,18 @@ def test_a_fork_server_still_importing_ends_when_autotune_is_killed(tmp_path):
     while not _gone(server) and time.monotonic() - killed < importing_s:
         time.sleep(0.05)
     assert _gone(server)
-    assert time.monotonic() - killed < 2.0, f"the server ended {time.monotonic() - killed:.1f} s after autotune"
+    # an importing server would outlive autotune by importing_s - 0.5 s; the bound grows with a
+    # busy machine's slowness, as that would
+    assert time.monotonic() - killed < importing_s / 2, f"the server ended {time.monotonic() - killed:.1f} s after autotune"
 
 
-def test_a_trial_timeout_under_one_tick_is_held(tmp_path):
-    # the parent looks at the child once per tick (1 s): a shorter --trial-timeout waited a tick
-    result = runner.run_trial(request(), tmp_path, timeout_s=0.3, launcher="spawn")
+def test_a_trial_timeout_under_one_tick_is_held(tmp_path, monkeypatch):
+    # The parent looks at the child once per tick and per memory guard: a shorter --trial-timeout
+    # waited for the next look. Both set to a minute, a timeout that waits for one shows as ~60 s
+    # (a bound on the wall time itself would flake on a busy machine).
+    monkeypatch.setattr(runner, "GUARD_EVERY_S", 60.0)
+    result = runner.run_trial(request(), tmp_path, timeout_s=0.3, launcher="spawn", tick=lambda: None,
+                              tick_every_s=60.0)
     assert result["status"] == worker.TIMEOUT
-    assert result["wall_s"] < 0.9, result
+    assert result["wall_s"] < 30, result
     assert "no result after 0.3 s" in result["error"]

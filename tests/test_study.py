@@ -137,8 +137,6 @@ def test_a_study_refuses_a_worker_on_another_device_model(tmp_path):
 
 
 def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, monkeypatch):
-    import time
-
     import optuna
 
     storage = f"journal:{tmp_path / 'journal.log'}"
@@ -148,7 +146,7 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
     study._heartbeat(shared._storage, trial)
     study._fail_stale_trials(shared)
     assert shared.trials[0].state == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh
-    monkeypatch.setattr(time, "time", lambda: shared.trials[0].user_attrs["heartbeat_at"] + storages.GRACE_S + 1)
+    monkeypatch.setattr(storages, "GRACE_S", 0)  # as if the grace had passed since its last heartbeat
     study._fail_stale_trials(shared)
     states = [t.state for t in shared.trials]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
@@ -583,14 +581,17 @@ def test_a_retried_journal_trial_is_not_stale_before_its_first_heartbeat(tmp_pat
     worker that took the retry must not see it failed as stale before its first heartbeat."""
     import optuna
 
-    monkeypatch.setattr(storages, "GRACE_S", 1)
     url = f"journal:{tmp_path / 'j.log'}"
     dead, _ = study.open_study(url, "s")
     trial = dead.ask({"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])})
-    study._heartbeat(dead._storage, trial)  # then its worker dies
-    time.sleep(1.5)
+    # its last heartbeat long past the grace, then its worker died (a heartbeat dated back, where a
+    # sleep past a shortened grace let the retry go stale too on a slow machine)
+    dead._storage.set_trial_user_attr(trial._trial_id, "heartbeat_at", time.time() - 10 * storages.GRACE_S)
     alive = optuna.load_study(study_name="s", storage=storages.open_storage(url))
+    grace_s = storages.GRACE_S
+    monkeypatch.setattr(storages, "GRACE_S", 0)  # as if the grace had passed since it started too
     study._fail_stale_trials(alive)  # queues the config again, with the old heartbeat_at
+    monkeypatch.setattr(storages, "GRACE_S", grace_s)
     retry = alive.ask()
     assert alive._storage.get_trial(retry._trial_id).user_attrs.get("heartbeat_at")  # inherited
     study._fail_stale_trials(alive)  # another worker looks before the retry's first heartbeat

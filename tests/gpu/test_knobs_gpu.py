@@ -272,3 +272,6 @@ def test_every_pair_the_family_space_allows_here_applies_and_runs(family):
     print(f"{family}: {len(configs)} allowed configs ({calls} called, {compile_checks} compile checks), "
           f"{time.perf_counter() - started:.1f} s")
     assert not failures, f"{len(failures)} of {len(configs)} configs failed:\n" + "\n".join(failures)
+    # and something ran: every group called once, every compiled variant checked
+    compiled = sum(part["compile"] != "none" for _, variants in groups.values() for _, part in variants)
+    assert groups and calls == len(groups) and compile_checks == compiled, (len(groups), calls, compiled, compile_checks)
