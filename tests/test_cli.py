@@ -133,6 +133,23 @@ def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
     assert "no study 'sdxl-6' in sqlite:///s.db (it holds sdxl-12, sdxl-8)" in line
 
 
+@pytest.mark.parametrize("args, message", [
+    (["export", "--study-name", "plain", "--storage", "sqlite:///s.db"],
+     "study plain: it was not written by this version of autotune (no request recorded)"),
+    (["report", "--storage", "sqlite:///s.db", "--out", "o"], "storage sqlite:///s.db: it holds no study made by autotune"),
+    (["report", "plain@sqlite:///s.db", "--out", "o"],
+     "storage sqlite:///s.db: study 'plain' was not made by autotune (it records no request)"),
+    (["export", "--study-name", "s", "--storage", "sqlite:///text.db"],
+     "storage sqlite:///text.db: cannot open it (file is not a database)"),
+])
+def test_a_study_or_file_autotune_did_not_write_is_one_line(cli, tmp_path, args, message):
+    import optuna
+
+    optuna.create_study(study_name="plain", storage=f"sqlite:///{tmp_path / 's.db'}")  # Optuna's own, no request
+    (tmp_path / "text.db").write_text("not a database\n")
+    assert message in one_line_error(cli(*args))
+
+
 def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
     import optuna
 
@@ -635,6 +652,41 @@ def test_no_fit_because_of_the_margin_names_the_margin(cli, tmp_path):
     line = one_line_error(proc)
     assert "no configuration fits 2.00 GiB: the smallest peak memory measured was" in line
     assert "MiB plus the margin of 1.76 GiB; no profile written" in line
+    # with --no-profile (the same study, measured already): the summary, and still "nothing fits"
+    proc = cli(*CHEAP, "--vram", "2GB", "--margin", "1800MB", "--no-profile")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no profile written (--no-profile)" in proc.stdout
+
+
+def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tmp_path):
+    """--warm-start takes a profile file, NAME@URL or a study NAME in this run's storage: the
+    configs of its front are measured first after the baseline; an unknown one is one line."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    first = [*CHEAP, "--trials", "3", "--study-name", "first", "-o", "first.yaml"]
+    assert cli(*first).returncode == 0
+    front = [point["config"] for point in yaml.safe_load((tmp_path / "first.yaml").read_text())["pareto"]]
+    url = f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}"
+    for name, source in [("from-profile", "first.yaml"), ("from-url", f"first@{url}"), ("from-name", "first")]:
+        proc = cli(*CHEAP, "--trials", "3", "--study-name", name, "--warm-start", source, "--no-profile")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        trials = optuna.load_study(study_name=name, storage=url).trials
+        warm = [t for t in trials if t.user_attrs.get("warm_start")]
+        assert [t.number for t in warm] == list(range(1, 1 + len(warm)))  # right after the baseline
+        measured = [t.user_attrs["config"] for t in warm if "duplicate_of" not in t.user_attrs]
+        assert all(config in front for config in measured) and measured, (source, measured, front)
+    line = one_line_error(cli(*CHEAP, "--warm-start", "nosuch"))
+    assert "--warm-start nosuch: no such profile file, nor a study 'nosuch' in sqlite:///" in line
+
+
+def test_a_run_where_no_configuration_ran_is_an_error_not_a_budget_too_small(cli, tmp_path):
+    # every trial killed at once: nothing was measured, so nothing says the budget is too small (3)
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli(*CHEAP, "--trial-timeout", "0.5")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = one_line_error(proc)
+    assert line == ("autotune: error: no configuration ran (timeout 1); trial 0: no result after 0.5 s "
+                    "(--trial-timeout); killed; no profile written")
+    assert [p.name for p in tmp_path.glob("*.yaml")] == ["small.yaml"]  # no profile
 
 
 @pytest.mark.slow
