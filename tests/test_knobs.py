@@ -34,14 +34,6 @@ def test_dtype_casts_every_component(dtype):
         assert getattr(pipe, name).dtype == want, name
 
 
-def test_dtype_applies_to_a_pipeline_loaded_in_another_dtype():
-    from autotune.models import build_pipeline, resolve_model
-
-    pipe = build_pipeline(resolve_model("tiny-sd15"), dtype=torch.float32)
-    apply_config(pipe, {"dtype": "bfloat16"}, Target(device="cpu", family="sd15"))
-    assert pipe.unet.dtype == torch.bfloat16
-
-
 @pytest.mark.parametrize("choice, slice_size", [("sliced", "auto"), ("sliced-max", "max")])
 def test_attention_slicing_installs_sliced_processors(choice, slice_size):
     pipe = build_tiny("sdxl", {"attention": choice})
