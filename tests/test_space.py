@@ -293,13 +293,15 @@ def test_allows_a_config_agrees_with_listing_the_configs():
 
 
 def test_shipped_spaces_allow_a_config_at_once():
+    # at once: found without enumerating the space (the sdxl space holds 72 million combinations,
+    # minutes to walk); the bound is far above the milliseconds it takes, for a busy machine
     import time
 
     for name in ("default", "sdxl", "flux", "tiny-sdxl"):
         space = SearchSpace.from_file(SHIPPED_DIR / f"{name}.yaml")
         started = time.perf_counter()
         assert space.allows_a_config()
-        assert time.perf_counter() - started < 0.5
+        assert time.perf_counter() - started < 10
 
 
 def test_a_space_file_that_is_not_utf8_is_one_line(tmp_path):
