@@ -816,3 +816,41 @@ def test_a_baseline_timed_beside_busy_neighbours_is_measured_again():
     loaded = rec(0, 3.5, cores_taken_by_others=0.9)
     busy = StudyOutcome(records=[loaded, fast, other], stop_reason="done", baseline=loaded)
     assert [r.number for r in contenders(busy)] == [1, 2, 0]
+
+
+def test_a_reference_that_runs_out_of_gpu_memory_is_made_again_offloaded(tmp_path):
+    """float32 with nothing enabled may not fit the card (SDXL at 1024x1024 on a small GPU): the
+    reference output is then made in float32 streamed from host memory, and the guard records
+    which config made it. Driven through the `measure` seam: the device is only named here."""
+    from dataclasses import replace
+
+    calls = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        calls.append((req.get("purpose"), req["config"].get("offload", "none"), req["config"]["dtype"]))
+        if req.get("purpose") == "reference" and req["config"].get("offload", "none") == "none" \
+                and req["config"]["dtype"] == "float32":
+            return {"status": "out_of_memory", "error": "CUDA out of memory"}
+        if req.get("output_path"):
+            np.save(req["output_path"], np.zeros((1, 8, 8, 3), dtype=np.float32))
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    req = replace(request(space, tmp_path, trials=1, min_psnr_db=30.0), target=Target(device="cuda", family="sd15"))
+    guard = study.reference_calls(req, measure, threshold=False)
+    assert calls[:2] == [("reference", "none", "float32"), ("reference", "sequential", "float32")]
+    assert guard["reference_config"]["offload"] == "sequential" and guard["reference_config"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("min_psnr, hint", [(30.0, "; --min-psnr 0 tunes without the quality guard"), (None, "")])
+def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hint):
+    from autotune.errors import AutotuneError
+
+    def crashed(req: dict, trial_dir: Path, tick) -> dict:
+        return {"status": "crashed", "error": "killed by SIGSEGV"}
+
+    req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db=min_psnr)
+    with pytest.raises(AutotuneError) as caught:
+        study.reference_calls(req, crashed, threshold=False)
+    assert str(caught.value) == ("the reference output (float32, nothing enabled) could not be generated: "
+                                 f"crashed: killed by SIGSEGV{hint}")
