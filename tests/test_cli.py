@@ -914,3 +914,20 @@ def test_each_command_says_what_it_does_in_its_help(command):
     assert proc.returncode == 0, proc.stderr
     paragraphs = proc.stdout.split("\n\n")
     assert len(paragraphs) > 2 and not paragraphs[1].lstrip().startswith(("positional", "options")), proc.stdout
+
+
+def test_gpus_of_different_models_are_refused(monkeypatch):
+    # NVML faked at autotune's fingerprint (no NVIDIA driver on these machines): two GPUs, two models
+    from autotune import cli as cli_module, fingerprint
+    from autotune.errors import AutotuneError
+
+    monkeypatch.setattr(fingerprint, "cuda_device_count", lambda: 2)
+    names = {"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(fingerprint, "machine", lambda device: {"device": device, "name": names[device]})
+    with pytest.raises(AutotuneError, match=r"--gpus: the GPUs are of different models \(0: NVIDIA H100 80GB HBM3, "
+                                            r"1: NVIDIA A100-SXM4-80GB\); a study measures one model"):
+        cli_module._check_gpus([0, 1])
+    names["cuda:1"] = names["cuda:0"]
+    cli_module._check_gpus([0, 1])  # one model: accepted
+    with pytest.raises(AutotuneError, match=r"--gpus: no GPU 2 \(GPUs usable here: 2\)"):
+        cli_module._check_gpus([0, 2])
