@@ -854,3 +854,30 @@ def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hi
         study.reference_calls(req, crashed, threshold=False)
     assert str(caught.value) == ("the reference output (float32, nothing enabled) could not be generated: "
                                  f"crashed: killed by SIGSEGV{hint}")
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials asked by hand, not by Study.optimize
+def test_an_unfinished_study_says_what_is_left(tmp_path):
+    """What export warns of: trials running, a confirmation running, trials queued, and a trial
+    whose process on this machine has ended (a real child that said who it was, then exited)."""
+    import json
+    import subprocess
+    import sys
+
+    import optuna
+
+    shared, _ = study.open_study(f"sqlite:///{tmp_path / 's.db'}", "s")
+    assert study.unfinished(shared) is None
+    dtype = {"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])}
+    running, confirming, orphan = (shared.ask(dtype) for _ in range(3))
+    for trial in (running, confirming):
+        trial.set_user_attr(study.PROCESS, storages.this_process(trial.number))  # this process: alive
+    confirming.set_user_attr(study.CONFIRMER, "me")
+    said = subprocess.run([sys.executable, "-c", "import json, sys; from autotune import storages; "
+                           "print(json.dumps(storages.this_process(int(sys.argv[1]))))", str(orphan.number)],
+                          capture_output=True, text=True, check=True).stdout
+    orphan.set_user_attr(study.PROCESS, json.loads(said))  # its process has exited
+    for _ in range(2):
+        shared.enqueue_trial({"dtype": "bfloat16"}, skip_if_exists=False)
+    assert study.unfinished(shared) == (f"trial {running.number} running, a confirmation running, 2 queued, "
+                                        "1 left running by a run that ended")
