@@ -193,6 +193,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     path = storage_file(url)
     if existing:  # a reader: nothing to create
         require_file(url)
+    elif path is not None and path.is_dir():  # else "unable to open database file", "Is a directory"
+        raise AutotuneError(f"storage {url}: {path} is a folder, not a storage file")
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
         raise AutotuneError(f"storage {url}: no such folder {path.parent}")
     if existing and path is not None and not url.startswith("journal:") and not _has_optuna_tables(path):
@@ -230,6 +232,8 @@ def require_file(url: str, hint: str = "") -> None:
     added to it (WORKDIR_HINT where the URL is the default storage, not one the user named)."""
     check_url(url)
     path = storage_file(url)
+    if path is not None and path.is_dir():
+        raise AutotuneError(f"storage {url}: {path} is a folder, not a storage file")
     if path is not None and not path.is_file():
         raise AutotuneError(f"storage {url}: no such file {path}{hint}")
 

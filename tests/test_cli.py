@@ -99,6 +99,19 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
 ])
 def test_reading_a_missing_storage_says_so_and_creates_nothing(cli, tmp_path, args):
     assert "no such file missing.db" in one_line_error(cli(*args))
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "--study-name", "x", "--storage", "journal:somedir"],
+    ["report", "--storage", "journal:somedir", "--out", "o"],
+    ["report", "--storage", "sqlite:///somedir", "--out", "o"],
+    ["--warm-start", "x@journal:somedir", "--trials", "1"],
+    ["--storage", "journal:somedir", "--trials", "1"],
+    ["--storage", "sqlite:///somedir", "--trials", "1"],
+])
+def test_a_folder_given_as_a_storage_file_is_one_line(cli, tmp_path, args):
+    (tmp_path / "somedir").mkdir()
+    assert "somedir is a folder, not a storage file" in one_line_error(cli(*args))
     assert not (tmp_path / "missing.db").exists()
 
 
