@@ -405,6 +405,8 @@ def _set(section, key=None, value=None):
          "section 'model' is malformed: unknown model family 'dalle': use one of sdxl, sd15, sd3, flux"),
         (_set("model", "kind", "pretrained"), "a pretrained model needs a source"),
         (_set("budget", "margin", "lots"), "budget.margin: 'lots' is not a margin"),
+        (_set("budget", "margin_bytes", "lots"), "budget.margin_bytes must be a number or null"),
+        (_set("budget", "memory_bytes", 0), "budget.memory_bytes must be a positive number of bytes"),
     ],
 )
 def test_wrong_types_give_one_clear_line(tmp_path, mangle, message):
