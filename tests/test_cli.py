@@ -944,3 +944,26 @@ def test_gpus_of_different_models_are_refused(monkeypatch):
     cli_module._check_gpus([0, 1])  # one model: accepted
     with pytest.raises(AutotuneError, match=r"--gpus: no GPU 2 \(GPUs usable here: 2\)"):
         cli_module._check_gpus([0, 2])
+
+
+def test_a_profile_that_cannot_be_written_after_the_search_keeps_the_trials_and_says_how_to_export(tmp_path):
+    # the output's folder checked before the search, then replaced by a file while it runs
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    (tmp_path / "out").mkdir()
+    proc = start_cli(tmp_path, *CHEAP, "--trials", "2", "--max-calls", "20", "--spread", "0.0001",
+                     "--study-name", "kept", "-o", "out/p.yaml", stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("autotune-studies/trials/kept/trial-*/request.json")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no trial started"
+        time.sleep(0.05)
+    (tmp_path / "out").rmdir()
+    (tmp_path / "out").write_text("")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("autotune: error: profile out/p.yaml: cannot write in out (a file is in the way); "), lines[0]
+    assert lines[0].endswith("the measured trials are kept: autotune export --study-name kept --storage "
+                             "sqlite:///autotune-studies/studies.db -o OTHER.yaml"), lines[0]
+    assert len(optuna.load_study(study_name="kept", storage=f"sqlite:///{tmp_path}/autotune-studies/studies.db")
+               .get_trials(states=(optuna.trial.TrialState.COMPLETE,))) >= 2
