@@ -881,3 +881,19 @@ def test_an_unfinished_study_says_what_is_left(tmp_path):
         shared.enqueue_trial({"dtype": "bfloat16"}, skip_if_exists=False)
     assert study.unfinished(shared) == (f"trial {running.number} running, a confirmation running, 2 queued, "
                                         "1 left running by a run that ended")
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_sampler_that_keeps_proposing_measured_configs_stops_the_search(tmp_path, monkeypatch):
+    # Optuna's PartialFixedSampler held to the baseline's dtype proposes it again and again:
+    # after a run of repeats the search stops and says why, where it looped until --timeout
+    import optuna
+
+    monkeypatch.setattr(study, "MAX_DUPLICATES_IN_A_ROW", 3)
+    monkeypatch.setattr(study, "make_sampler", lambda seed: optuna.samplers.PartialFixedSampler(
+        {"dtype": "float32"}, optuna.samplers.RandomSampler(seed=0)))
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    measure, measured = fake_measure(lambda config: 1.0)
+    outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0), measure=measure)
+    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
+    assert [config["dtype"] for config in measured] == ["float32"]  # the baseline, measured once
