@@ -119,15 +119,23 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _not_a_folder(path: Path) -> Path:
+def _file_to_write(path: Path) -> Path:
+    """The regular file a profile is written to: the target of a symlink (the rename that makes
+    the write atomic would replace the link: a deployment's "current" link would stop pointing
+    at its versioned file); never a folder, nor a device, FIFO or socket (renamed over, /dev/null
+    became a regular file for every process of a machine where autotune ran as root)."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise ProfileError(f"profile {path}: is a folder; name a file, such as {path / 'profile.yaml'}")
+    if path.exists() and not path.is_file():
+        raise ProfileError(f"profile {path}: is not a regular file (a device, FIFO or socket); name a file")
     return path
 
 
 def check_writable(path: str | Path) -> Path:
     """ProfileError unless `save` could write `path` (its missing folders are made)."""
-    path = _not_a_folder(Path(path))
+    path = _file_to_write(Path(path))
     reason = why_unwritable(path.parent)
     if reason:
         raise ProfileError(f"profile {path}: cannot write in {path.parent} ({reason})")
@@ -146,7 +154,7 @@ def save(document: dict, path: str | Path) -> Path:
     """Write atomically: readers see the old file or the new one, never half of one. The file gets
     the mode an overwritten profile had, else the one open() would give: a serving process running
     as another user must be able to read it (mkstemp alone leaves 0600)."""
-    path = _not_a_folder(Path(path))
+    path = _file_to_write(Path(path))
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
