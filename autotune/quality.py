@@ -75,6 +75,16 @@ def save_output(images: np.ndarray, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def readable(path: Path) -> bool:
+    """Whether `path` holds a whole saved output: its header parses and its data is all there
+    (mapped, not read). A file cut short (a full disk, a copy stopped) is not."""
+    try:
+        np.load(path, mmap_mode="r")
+        return True
+    except (OSError, ValueError, EOFError):
+        return False
+
+
 def assess(result: dict, reference: Path) -> dict | None:
     """PSNR/SSIM of a trial's saved output against the reference, or None when either is missing."""
     output = result.get("output")

@@ -610,9 +610,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
     timings = None  # the float32 and bfloat16 calls' times, for machine_seeds
     try:
-        if req.min_psnr_db and (guard is None or not req.reference_path.exists()):
-            # Each machine keeps its own reference output (the study may be shared); the threshold
-            # is the study's, set by the first worker to calibrate it.
+        if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
+            # Each machine keeps its own reference output (the study may be shared), made again
+            # when missing or cut short; the threshold is the study's, set by the first worker
+            # to calibrate it.
             timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
             if guard is None:
                 study.set_user_attr("quality_guard", timings)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune import storages, study
+from autotune import quality, storages, study
 from autotune.knobs import Target, baseline
 from autotune.models import resolve_model
 from autotune.space import Dimension, SearchSpace
@@ -897,3 +897,21 @@ def test_a_sampler_that_keeps_proposing_measured_configs_stops_the_search(tmp_pa
     outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0), measure=measure)
     assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
     assert [config["dtype"] for config in measured] == ["float32"]  # the baseline, measured once
+
+
+def test_a_reference_output_cut_short_is_made_again_on_resume(tmp_path):
+    from dataclasses import replace
+
+    # reference.npy truncated between runs (a full disk, a copy stopped): the resume crashed in
+    # np.load on every run, its trial left running; it is now made again
+    measure, measured = measure_with_outputs(lambda c: 1.0)
+    req = request(SearchSpace(SPACE), tmp_path, trials=2, min_psnr_db=30.0, confirm_rounds=0,
+                  storage=f"sqlite:///{tmp_path / 's.db'}")
+    study.tune(req, measure=measure)
+    reference = req.reference_path
+    assert len(measured) == 3 and quality.readable(reference)  # the reference call, then 2 trials
+    reference.write_bytes(reference.read_bytes()[:100])
+    outcome = study.tune(replace(req, trials=3), measure=measure)
+    assert len(measured) == 5 and measured[3] == baseline()  # the reference made again, then a trial
+    assert quality.readable(reference) and len(outcome.records) == 3
+    assert all(r.result.get("quality") for r in outcome.records[2:])  # the new trial compared with it
