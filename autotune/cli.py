@@ -843,11 +843,15 @@ def _verify(out, profile, args) -> int:
             raise AutotuneError(f"profile {args.profile} was measured on {recorded}: "
                                 f"{str(exc).split(': ', 1)[1]}; pick one with --device") from None
     measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
+    threads, cores = profile.threads, os.cpu_count() or 1
+    if threads and threads > cores:  # more threads than cores fight for them: --threads' rule
+        out.print(f"warning: measured with {threads} CPU threads; replayed with {cores}, the cores here")
+        threads = cores
     request = worker.trial_request(
         profile.model, profile.config, profile.workload, device, profile=args.profile,
         repeats=args.repeats, max_calls=measured.get("timed_calls_max", 10),
         spread_limit=measured.get("spread_limit", 0.05),
-        threads=profile.threads,  # the thread count it was measured with
+        threads=threads,  # the thread count it was measured with, where this machine has the cores
     )
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:
         # spawn: a fresh interpreter, as a serving process starts

@@ -444,6 +444,10 @@ def validate(data, path) -> None:
     for i, point in enumerate(data["pareto"]):
         _check_point(point, f"pareto[{i}]", path)
     _check_measurement(data.get("measurement") or {}, path)
+    for key in ("name", "storage"):  # read by reports to find the study's trials
+        value = data["study"].get(key)
+        if value is not None and not isinstance(value, str):
+            raise ProfileError(f"profile {path}: study.{key} must be text or null, not {value!r:.40}")
     problem = spec_problem(data["model"])
     if problem:
         raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")

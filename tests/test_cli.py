@@ -596,7 +596,7 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
 
 
 # ---- verify ------------------------------------------------------------------------------------------
-def write_profile(path, device="cpu", budget="2GB", margin="5%"):
+def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1):
     """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it."""
     from autotune import fingerprint
     from autotune.models import resolve_model
@@ -610,7 +610,7 @@ def write_profile(path, device="cpu", budget="2GB", margin="5%"):
     path.write_text(yaml.safe_dump({
         "autotune_profile": 1, "model": spec.to_dict(), "workload": workload.to_dict(),
         "budget": {"memory_bytes": budget_bytes, "margin": margin, "margin_bytes": parse_margin(margin, budget_bytes)},
-        "measurement": {"threads": 1, "timed_calls_max": 3, "spread_limit": 0.5},
+        "measurement": {"threads": threads, "timed_calls_max": 3, "spread_limit": 0.5},
         "machine": {**fingerprint.machine("cpu"), "device": device}, "software": fingerprint.software(),
         "best": point, "pareto": [point], "study": {"name": "written-by-hand", "choice": None},
     }, sort_keys=False))
@@ -652,10 +652,13 @@ def test_verify_judges_the_fit_with_the_profile_margin_and_not_a_failed_replay(c
     assert "DOES NOT FIT" in proc.stdout and "margin 1800MB" in proc.stdout
     assert "plus the profile's margin (1800MB, 1.76 GiB) is above the profile's budget (2.00 GiB)" in one_line_error(proc)
 
-    write_profile(tmp_path / "roomy.yaml", budget="2GB", margin="5%")
+    # measured with more threads than this machine has cores (a bigger machine's profile, or a
+    # hand edit): replayed with the cores here, and said so
+    write_profile(tmp_path / "roomy.yaml", budget="2GB", margin="5%", threads=4096)
     proc = cli("verify", "roomy.yaml", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "margin 5%: replayed peak" in proc.stdout and " fits (" in proc.stdout
+    assert f"warning: measured with 4096 CPU threads; replayed with {os.cpu_count()}, the cores here" in proc.stdout
 
     # a replay that measured nothing (killed at once) gets the failure, and no fit verdict
     proc = cli("verify", "roomy.yaml", "--trial-timeout", "0.5")

@@ -419,6 +419,9 @@ def _set(section, key=None, value=None):
         (_set("model", "kind", "pretrained"), "a pretrained model needs a source"),
         (_set("budget", "margin", "lots"), "budget.margin: 'lots' is not a margin"),
         (_set("budget", "margin_bytes", "lots"), "budget.margin_bytes must be a number or null"),
+        # a report read them as text: AttributeError tracebacks
+        (_set("study", "name", 5), "study.name must be text or null, not 5"),
+        (_set("study", "storage", 5), "study.storage must be text or null, not 5"),
         (_set("budget", "memory_bytes", 0), "budget.memory_bytes must be a positive number of bytes"),
     ],
 )
