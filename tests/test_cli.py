@@ -970,3 +970,31 @@ def test_a_profile_that_cannot_be_written_after_the_search_keeps_the_trials_and_
                              "sqlite:///autotune-studies/studies.db -o OTHER.yaml"), lines[0]
     assert len(optuna.load_study(study_name="kept", storage=f"sqlite:///{tmp_path}/autotune-studies/studies.db")
                .get_trials(states=(optuna.trial.TrialState.COMPLETE,))) >= 2
+
+
+# A Ctrl-C that lands while autotune imports, made deterministic: a real SIGINT sent to the
+# process at the moment it imports the named module (fault injection through sitecustomize).
+SIGINT_ON_IMPORT = """
+import builtins, os, signal
+_import = builtins.__import__
+def _interrupting(name, *args, **kwargs):
+    if name == os.environ["AUTOTUNE_TEST_SIGINT_ON"]:
+        os.environ["AUTOTUNE_TEST_SIGINT_ON"] = "(sent)"
+        os.kill(os.getpid(), signal.SIGINT)
+    return _import(name, *args, **kwargs)
+builtins.__import__ = _interrupting
+"""
+
+
+@pytest.mark.parametrize("module", ["storages", "optuna"], ids=["importing-the-cli", "importing-optuna"])
+def test_a_ctrl_c_while_autotune_imports_is_one_line(tmp_path, module):
+    # the signal handler and the try that reports "interrupted" came after the first imports
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SIGINT_ON_IMPORT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]),
+               AUTOTUNE_TEST_SIGINT_ON=module)
+    proc = subprocess.run([sys.executable, "-m", "autotune", "--model", "tiny-sd15", "--trials", "1"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr) == (130, "autotune: interrupted\n"), proc.stderr
+    assert not (tmp_path / "autotune-studies").exists()
