@@ -781,16 +781,3 @@ def test_every_pair_on_a_cuda_target_is_allowed_only_if_its_choices_run_there(fa
     if family == "flux":
         assert "cache hooks" in out(compile_fullgraph=True, cache="first-block")
     print(f"{family} on cuda (9, 0): {len(pairs)} pairs, {len(ruled_out)} ruled out, {len(dropped)} dropped")
-
-
-def test_list_knobs_for_sdxl_prints_the_space_and_every_drop_with_its_reason(cli):
-    proc = cli("--model", "sdxl", "--list-knobs")
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    for line in ("quantize=float8dq: float8 matmuls", "attention=sdpa-flash: sdpa-flash needs a CUDA GPU",
-                 "offload=group-leaf-stream: group offload needs a CUDA GPU",
-                 "placement=balanced: balanced placement needs more than one CUDA GPU",
-                 "compile=reduce-overhead: mode reduce-overhead captures CUDA graphs", "tf32=True: TF32 needs"):
-        assert line in out, line
-    assert "compile_regional" in out and "is not none" in out  # the table wraps at 80 columns
-    assert "fixed at False" in out  # tf32: not searched here

@@ -227,6 +227,14 @@ def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
     choices = {str(c) for d in space.dimensions for c in d.choices}
     assert {"float32", "bfloat16", "int8dq-filtered"} <= choices
     assert [c for c in choices if c not in proc.stdout] == []
+    # and every choice dropped here, with its reason
+    for line in ("quantize=float8dq: float8 matmuls", "attention=sdpa-flash: sdpa-flash needs a CUDA GPU",
+                 "offload=group-leaf-stream: group offload needs a CUDA GPU",
+                 "placement=balanced: balanced placement needs more than one CUDA GPU",
+                 "compile=reduce-overhead: mode reduce-overhead captures CUDA graphs", "tf32=True: TF32 needs"):
+        assert line in proc.stdout, line
+    assert "compile_regional" in proc.stdout and "is not none" in proc.stdout
+    assert "fixed at False" in proc.stdout  # tf32: not searched here
 
 
 def stored_study(tmp_path):
@@ -906,13 +914,11 @@ def test_a_model_alias_not_in_the_cache_fails_before_any_trial(cli, tmp_path, mo
     """`--model sdxl` resolves without looking at the cache (--list-knobs needs only the family);
     a study must say at once that the weights are missing, not after its first call fails."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    started = time.monotonic()
     proc = cli("--model", "sdxl", "--vram", "8GB", "--min-psnr", "0")
     line = one_line_error(proc)
     assert "is not in the local Hugging Face cache" in line and "--model sdxl --random-weights" in line
     assert "--min-psnr 0" not in line  # the old hint, wrong with the guard already off
     assert not (tmp_path / "autotune-studies" / "trials").exists()  # no trial started
-    assert time.monotonic() - started < 60
     assert cli("--model", "sdxl", "--list-knobs").returncode == 0  # the space needs no weights
 
 
