@@ -120,25 +120,25 @@ def _new_file_mode() -> int:
 
 
 def _file_to_write(path: Path) -> Path:
-    """The regular file a profile is written to: the target of a symlink (the rename that makes
-    the write atomic would replace the link: a deployment's "current" link would stop pointing
-    at its versioned file); never a folder, nor a device, FIFO or socket (renamed over, /dev/null
-    became a regular file for every process of a machine where autotune ran as root)."""
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    if path.is_dir():
+    """Where a profile named `path` is written: the target of a symlink (the rename that makes the
+    write atomic would replace the link: a deployment's "current" link would stop pointing at its
+    versioned file). Never a folder, nor a device, FIFO or socket (renamed over, /dev/null became
+    a regular file for every process of a machine where autotune ran as root). Messages name
+    `path` as given."""
+    if path.is_dir():  # these follow links, /dev/stdout's to a pipe included
         raise ProfileError(f"profile {path}: is a folder; name a file, such as {path / 'profile.yaml'}")
     if path.exists() and not path.is_file():
         raise ProfileError(f"profile {path}: is not a regular file (a device, FIFO or socket); name a file")
-    return path
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def check_writable(path: str | Path) -> Path:
     """ProfileError unless `save` could write `path` (its missing folders are made)."""
-    path = _file_to_write(Path(path))
-    reason = why_unwritable(path.parent)
+    path = Path(path)
+    target = _file_to_write(path)
+    reason = why_unwritable(target.parent)
     if reason:
-        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({reason})")
+        raise ProfileError(f"profile {path}: cannot write in {target.parent} ({reason})")
     return path
 
 
@@ -154,23 +154,24 @@ def save(document: dict, path: str | Path) -> Path:
     """Write atomically: readers see the old file or the new one, never half of one. The file gets
     the mode an overwritten profile had, else the one open() would give: a serving process running
     as another user must be able to read it (mkstemp alone leaves 0600)."""
-    path = _file_to_write(Path(path))
+    path = Path(path)
+    target = _file_to_write(path)
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        mode = stat.S_IMODE(os.stat(target).st_mode)
     except OSError:
         mode = _new_file_mode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
     except OSError as exc:
-        raise ProfileError(f"profile {path}: cannot write in {path.parent} ({os_reason(exc)})") from None
+        raise ProfileError(f"profile {path}: cannot write in {target.parent} ({os_reason(exc)})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), mode)
             yaml.dump(document, f, Dumper=_Dumper, sort_keys=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
         raise ProfileError(f"profile {path}: cannot write it ({os_reason(exc)})") from None

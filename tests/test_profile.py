@@ -308,9 +308,11 @@ def test_an_overwritten_profile_keeps_its_mode(written, umask):
 def unwritable_paths(tmp_path):
     (tmp_path / "a-file").write_text("x")
     os.mkfifo(tmp_path / "a-fifo")  # as /dev/null is a device: renamed over, it became a plain file
+    (tmp_path / "to-fifo").symlink_to("a-fifo")  # as /dev/stdout is a link to a pipe
     return [
         (tmp_path, "is a folder"),  # -o /tmp
         (tmp_path / "a-fifo", "is not a regular file (a device, FIFO or socket)"),
+        (tmp_path / "to-fifo", "is not a regular file (a device, FIFO or socket)"),
         (tmp_path / "a-file" / "p.yaml", "a file is in the way"),  # a parent that is a file
         (tmp_path / "a-file" / "sub" / "p.yaml", "Not a directory"),
         (Path("/proc/autotune-test.yaml"), "cannot write in /proc"),  # a folder nothing can be made in
@@ -326,8 +328,8 @@ def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
         with pytest.raises(ProfileError) as exc:
             profile_io.check_writable(path)
         assert str(exc.value) == text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-fifo", "a-file"]  # no temporary file left
-    assert not (tmp_path / "a-fifo").is_file()  # still a FIFO
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-fifo", "a-file", "to-fifo"]  # no temporary file left
+    assert not (tmp_path / "a-fifo").is_file() and (tmp_path / "to-fifo").is_symlink()  # as they were
 
 
 def test_a_profile_written_through_a_symlink_keeps_the_link(tmp_path):
@@ -335,7 +337,7 @@ def test_a_profile_written_through_a_symlink_keeps_the_link(tmp_path):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "p.yaml").write_text("old")
     (tmp_path / "current.yaml").symlink_to(Path("v1") / "p.yaml")
-    profile_io.save(document(), tmp_path / "current.yaml")
+    assert profile_io.save(document(), tmp_path / "current.yaml") == tmp_path / "current.yaml"  # named as given
     assert (tmp_path / "current.yaml").is_symlink()
     assert load_profile(tmp_path / "v1" / "p.yaml").data["best"] == document()["best"]
 
