@@ -18,8 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_opens, check_url, default_storage, display_url, keeps_nothing,
-                       open_storage, require_file, storage_file)
+from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, default_storage, display_url, keeps_nothing,
+                       open_storage, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 PROFILE_COMMANDS = ("show", "verify")
@@ -445,9 +445,9 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError(f"--margin {args.margin} is not under the budget {format_size(budget)}: "
                          "nothing could fit")
     threads = args.threads or torch.get_num_threads()
-    cores = os.cpu_count() or 1
+    cores = fingerprint.usable_cores()
     if threads > cores:  # every call would fight for the cores: trials time out, nothing is learnt
-        raise UsageError(f"--threads {threads}: this machine has {cores} CPU cores")
+        raise UsageError(f"--threads {threads}: autotune may use {cores} CPU cores here")
     if args.study_name is not None:
         _check_study_name(args.study_name)
     # The trials' files and compile cache live here even with --storage: check it before a trial.
@@ -759,9 +759,9 @@ def _export(argv: list[str]) -> int:
     storage = args.storage or default_storage(args.workdir)
     if args.output:
         _check_not_the_storage(args.output, storage)
-    check_url(storage)
+    check_file(storage, must_exist=False)  # not a URL, a folder: said as they are
     try:  # no storage file yet: "no study", with a hint where it is the default one
-        require_file(storage, "" if args.storage or args.workdir else WORKDIR_HINT)
+        check_file(storage, hint="" if args.storage or args.workdir else WORKDIR_HINT)
     except AutotuneError as exc:
         raise AutotuneError(f"no study {args.study_name!r}: {exc}") from None
     backend = open_storage(storage, existing=True)
@@ -823,9 +823,8 @@ def _verify(out, profile, args) -> int:
     """Replay a profile in a fresh process, as production loads it, and compare with the record."""
     import tempfile
 
-    from . import console, runner, worker
+    from . import console, fingerprint, runner, worker
     from .errors import AutotuneError
-    from .fingerprint import cuda_available
     from .sizes import format_size
 
     # The device is checked here, as Profile._target does when serving: else the replay fails
@@ -833,7 +832,7 @@ def _verify(out, profile, args) -> int:
     recorded = profile.data["machine"]["device"]
     if args.device:
         device = _resolve_device(args.device)
-    elif recorded.startswith("cuda") and not cuda_available():
+    elif recorded.startswith("cuda") and not fingerprint.cuda_available():
         raise AutotuneError(f"profile {args.profile} was measured on {recorded}, and no CUDA GPU is "
                             "usable here; replay it on the CPU with --device cpu")
     else:
@@ -843,7 +842,7 @@ def _verify(out, profile, args) -> int:
             raise AutotuneError(f"profile {args.profile} was measured on {recorded}: "
                                 f"{str(exc).split(': ', 1)[1]}; pick one with --device") from None
     measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
-    threads, cores = profile.threads, os.cpu_count() or 1
+    threads, cores = profile.threads, fingerprint.usable_cores()
     if threads and threads > cores:  # more threads than cores fight for them: --threads' rule
         out.print(f"warning: measured with {threads} CPU threads; replayed with {cores}, the cores here")
         threads = cores

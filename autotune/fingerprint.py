@@ -123,6 +123,12 @@ def machine(device: str) -> dict:
     }
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (a container's cpuset, a `taskset`),
+    not the whole machine's count (os.process_cpu_count, from Python 3.13)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def device_memory_bytes(device: str) -> int:
     """What the device can hold in all: the default budget when none is given."""
     return machine(device)["memory_bytes"]

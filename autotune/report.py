@@ -27,8 +27,8 @@ from pathlib import Path
 from .choice import pareto_front
 from .console import count
 from .errors import AutotuneError, os_reason
-from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_url, default_storage, display_url,
-                       is_masked, open_storage, require_file, sqlite_url, storage_file, with_storage_file)
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
+                       display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -237,7 +237,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
 
     from .study import summarize
 
-    storage = storage or _open_storage(url)
+    if storage is None:
+        storage = _open_storage(url)
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
@@ -986,7 +987,7 @@ def main(argv: list[str]) -> int:
     if not storage and (any("@" not in name for name in args.study) or not (sources or args.study)):
         storage = default_storage()  # the storage of --study names without @URL, or every study in it
     if storage and not args.storage and not args.workdir:  # the default one, not one named: a hint
-        _checked(require_file, storage, WORKDIR_HINT)
+        _checked(check_file, storage, hint=WORKDIR_HINT)
     studies = load(sources, storage=storage, studies=args.study)
     written = write_report(studies, args.out, title=args.title)
     for s in studies:

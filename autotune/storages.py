@@ -189,12 +189,7 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
     shown = display_url(url)
-    check_url(url)
-    path = storage_file(url)
-    if existing:  # a reader: nothing to create
-        require_file(url)
-    elif path is not None and path.is_dir():  # else "unable to open database file", "Is a directory"
-        raise AutotuneError(f"storage {url}: {path} is a folder, not a storage file")
+    path = check_file(url, must_exist=existing)  # a reader creates nothing
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"
         raise AutotuneError(f"storage {url}: no such folder {path.parent}")
     if existing and path is not None and not url.startswith("journal:") and not _has_optuna_tables(path):
@@ -227,15 +222,18 @@ def check_url(url: str) -> None:
                             f"{sqlite_url(Path(url))}, for a journal file journal:{url}")
 
 
-def require_file(url: str, hint: str = "") -> None:
-    """One AutotuneError if `url` names a SQLite or journal file that is not there; `hint` is
-    added to it (WORKDIR_HINT where the URL is the default storage, not one the user named)."""
+def check_file(url: str, must_exist: bool = True, hint: str = "") -> Path | None:
+    """The SQLite or journal file `url` names (None for a server or memory), or one AutotuneError:
+    not a URL, a folder (else "unable to open database file" or "Is a directory"), or, with
+    `must_exist`, no such file, with `hint` added (WORKDIR_HINT where the URL is the default
+    storage, not one the user named)."""
     check_url(url)
     path = storage_file(url)
     if path is not None and path.is_dir():
         raise AutotuneError(f"storage {url}: {path} is a folder, not a storage file")
-    if path is not None and not path.is_file():
+    if must_exist and path is not None and not path.is_file():
         raise AutotuneError(f"storage {url}: no such file {path}{hint}")
+    return path
 
 
 def check_opens(url: str) -> None:
