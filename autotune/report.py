@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -113,9 +114,22 @@ class StudyData:
 
     @property
     def measured(self) -> bool:
-        """Whether any trial completed a measurement: a study stopped (Ctrl-C) before its first
-        trial ended has none, and is left out of the charts."""
-        return bool(self.points)
+        """Whether any configuration ran and was timed: a study stopped (Ctrl-C) before its first
+        trial ended, or whose every trial timed out or ran out of memory, has nothing to draw and
+        is left out of the charts."""
+        return any(p.status == "ok" and p.latency_s for p in self.points)
+
+    def why_no_best(self) -> str:
+        """Why the study has no best configuration, in words for a table or a note."""
+        if not self.points:
+            return "no trial completed a measurement"
+        if not self.measured:
+            statuses = Counter(p.status for p in self.points)
+            said = ", ".join(f"{status} {n}" for status, n in statuses.most_common())
+            if set(statuses) == {"out_of_memory"}:
+                return f"nothing fits the budget: every configuration ran out of memory ({said})"
+            return f"no configuration ran ({said})"
+        return "nothing fits the budget"
 
     @property
     def counts(self) -> dict[str, int]:
@@ -264,8 +278,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
-    if not data.points:
-        data.notes.append(f"{name}: no trial completed a measurement (left out of the charts)")
+    if not data.measured:
+        data.notes.append(f"{name}: {data.why_no_best()} (left out of the charts)")
     elif data.best is None:
         data.notes.append(f"{name}: no measured configuration fits the budget")
     return data
@@ -573,16 +587,21 @@ def plot_fronts(studies: list[StudyData]):
     """Latency against peak memory: every measured configuration (faint), each study's feasible
     Pareto front (line), its best (star), baseline (square) and budget (dashed line)."""
     studies = _charted(studies)
-    fig = _figure(9, 5.5)
+    fig = _figure(12, 5.5)  # wide: the legend stands beside the axes
     ax = fig.add_subplot()
     values = [p.peak_memory_bytes for s in studies for p in s.points + s.front]
     unit, scale = memory_unit(values)
     top = max([v for v in values if v] or [1])
     for s, color in zip(studies, _colors(len(studies))):
         ok = [p for p in s.points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
-        if ok:
-            ax.scatter([p.peak_memory_bytes / scale for p in ok], [p.latency_s for p in ok],
+        fit = [p for p in ok if p.feasible]
+        if fit:
+            ax.scatter([p.peak_memory_bytes / scale for p in fit], [p.latency_s for p in fit],
                        color=color, alpha=0.3, s=25, gid=f"points:{s.label}")
+        over = [p for p in ok if not p.feasible]  # over the budget with its margin, or below the guard
+        if over:
+            ax.scatter([p.peak_memory_bytes / scale for p in over], [p.latency_s for p in over],
+                       color=color, alpha=0.5, s=25, marker="x", gid=f"infeasible:{s.label}")
         if s.front:
             ax.plot([p.peak_memory_bytes / scale for p in s.front], [p.latency_s for p in s.front],
                     color=color, marker="o", drawstyle="steps-post", label=f"{s.label}: front",
@@ -598,24 +617,38 @@ def plot_fronts(studies: list[StudyData]):
             if s.budget_bytes <= 1.5 * top:
                 ax.axvline(s.budget_bytes / scale, color=color, ls="--", lw=1.5,
                            label=f"{s.label}: {text}", gid=f"budget:{s.label}")
-            else:  # far right of every point: say so instead of squashing the chart
-                ax.annotate(f"{s.label}: {text} →", xy=(1, 0), xycoords="axes fraction",
-                            xytext=(-5, 5 + 14 * studies.index(s)), textcoords="offset points",
-                            ha="right", color=color, fontsize=8, gid=f"budget:{s.label}")
+            else:  # far right of every point: said in the legend instead of squashing the chart
+                ax.plot([], [], color=color, ls="none", label=f"{s.label}: {text} (right of the chart)",
+                        gid=f"budget:{s.label}")
     ax.plot([], [], marker="*", ms=12, color="grey", markeredgecolor="black", ls="none", label="best")
     ax.plot([], [], marker="s", ms=8, mfc="none", color="grey", mew=2, ls="none", label="baseline")
+    ax.plot([], [], marker="x", color="grey", ls="none", label="over the budget with its margin, or below the quality guard")
     ax.set_xlabel(f"peak memory ({unit})")
-    latencies = [p.latency_s for s in studies for p in s.points if p.latency_s]
-    # one trial far slower than the rest (float16 on a CPU: 100 s beside 0.4 s) flattened every
-    # other point onto the axis on a linear scale
+    _latency_axis(ax, [p.latency_s for s in studies for p in s.points if p.latency_s], "latency per call (s)")
+    ax.set_title("Feasible Pareto fronts: lower left is better")
+    ax.grid(alpha=0.3)
+    _legend_beside(ax)
+    return fig
+
+
+def _latency_axis(ax, latencies: list[float], label: str) -> None:
+    """A log scale where one latency is 10x another (float16 on a CPU, 100 s beside 0.4 s, had
+    flattened every other point onto the axis), its ticks written as plain seconds (0.2, not 2x10^-1)."""
+    from matplotlib.ticker import FuncFormatter
+
     log = bool(latencies) and max(latencies) > 10 * min(latencies)
     if log:
         ax.set_yscale("log")
-    ax.set_ylabel("latency per call (s)" + (", log scale" if log else ""))
-    ax.set_title("Feasible Pareto fronts: lower left is better")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    return fig
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        # between the powers of ten, 2 and 5 only (0.2, 0.5): all eight crowded into one another
+        ax.yaxis.set_minor_formatter(FuncFormatter(
+            lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else ""))
+    ax.set_ylabel(label + (", log scale" if log else ""))
+
+
+def _legend_beside(ax) -> None:
+    """The legend right of the axes: inside, it covered fronts, stars and baselines."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
 def plot_best_vs_budget(studies: list[StudyData]):
@@ -623,16 +656,21 @@ def plot_best_vs_budget(studies: list[StudyData]):
     dotted beyond it (over-budget measurements: what more memory would buy). A dot marks the
     study's own budget, labelled with its speedup over its baseline."""
     studies = _charted(studies)
-    fig = _figure(9, 5)
+    fig = _figure(12, 5)  # wide: the legend stands beside the axes
     ax = fig.add_subplot()
-    top = max([p.peak_memory_bytes for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
+
+    def needs(s: StudyData, p: Point) -> int:  # the budget at which p fits: its peak and the margin
+        return p.peak_memory_bytes + s.margin_bytes
+
+    top = max([needs(s, p) for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
     shown = [s.budget_bytes for s in studies if s.budget_bytes and s.budget_bytes <= 1.5 * top]
-    edge = max([top, *shown])  # budgets far beyond every point are not drawn; curves end here
+    # budgets far beyond every point are not drawn; curves run on to here, past the last step
+    edge = max([1.05 * top, *shown])
     unit, scale = memory_unit([edge])
     for s, color in zip(studies, _colors(len(studies))):
         if s.front:
             right = min(s.budget_bytes or edge, edge)
-            xs = [p.peak_memory_bytes for p in s.front] + [max(right, s.front[-1].peak_memory_bytes)]
+            xs = [needs(s, p) for p in s.front] + [max(right, needs(s, s.front[-1]))]
             ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
             ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
                     label=s.label, gid=f"budget-curve:{s.label}")
@@ -642,7 +680,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
         else:  # nothing fits: only the over-budget line (it drew nothing)
             over = _unbudgeted_front(s.points)
         if len(over) > (1 if s.front else 0):
-            ax.plot([p.peak_memory_bytes / scale for p in over], [p.latency_s for p in over], color=color,
+            ax.plot([needs(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
                     ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
                     label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
@@ -651,12 +689,13 @@ def plot_best_vs_budget(studies: list[StudyData]):
             speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
             ax.annotate(f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
                         xytext=(5, 5), textcoords="offset points", fontsize=8, color=color)
-    ax.set_xlabel(f"memory budget ({unit})")
-    ax.set_ylabel("best latency per call (s)")
+    ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
+    _latency_axis(ax, [p.latency_s for s in studies for p in s.points + s.front if p.latency_s],
+                  "best latency per call (s)")
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn
-        ax.legend(fontsize=8)
+        _legend_beside(ax)
     return fig
 
 
@@ -677,8 +716,7 @@ def best_table(studies: list[StudyData]) -> list[dict]:
             "best_peak": _size_text(s.best.peak_memory_bytes) if s.best else "-",
             "baseline_latency_s": s.baseline.latency_s if s.baseline else None,
             "speedup": s.speedup,
-            "configuration": (config_changes(s.best.config) if s.best else
-                              "nothing fits the budget" if s.measured else "no trials measured"),
+            "configuration": config_changes(s.best.config) if s.best else s.why_no_best(),
             "measured_trials": len(s._trials) if s._trials else None,
         })
     return rows
@@ -711,7 +749,7 @@ def plot_speedups(studies: list[StudyData]):
         bar.patches[0].set_gid(f"speedup:{s.label}")
         text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
                 f"[{config_changes(s.best.config)}]" if s.speedup else
-                "nothing fits the budget" if s.best is None else "no baseline measured")
+                s.why_no_best() if s.best is None else "no baseline measured")
         ax.text(0.02, i, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform())
     ax.axvline(1.0, color="black", lw=1, ls="--")
     ax.set_yticks(range(len(studies)), [s.label for s in studies], fontsize=8)

@@ -88,6 +88,7 @@ def expected(url, name):
     ok = [t for t in measured if t.user_attrs["result"]["status"] == "ok"]
     return {
         "budget": study.user_attrs["request"]["budget_bytes"],
+        "margin": study.user_attrs["request"].get("margin_bytes") or 0,
         "front": front,
         "timeline": timeline,
         "ok_trials": len(ok),
@@ -163,13 +164,14 @@ def test_the_notebook_runs_on_two_studies_and_its_charts_hold_their_data(studies
             assert ys == pytest.approx([lat for _, lat in exp["front"]])
             cx, cy = drawn["best_vs_budget"][f"budget-curve:{label}"]
             bscale = unit_of(drawn["best_vs_budget"]["xlabels"][0])
-            assert cx[:-1] == pytest.approx([m / bscale for m, _ in exp["front"]])
+            # each step where its config fits: its peak and the study's margin
+            assert cx[:-1] == pytest.approx([(m + exp["margin"]) / bscale for m, _ in exp["front"]])
             assert cy[:-1] == pytest.approx([lat for _, lat in exp["front"]])
             assert f"speedup:{label}" in drawn["speedups"]
         else:
             assert f"front:{label}" not in fronts
         budget = fronts[f"budget:{label}"]
-        if isinstance(budget, list):  # a dashed line at the budget
+        if budget[0]:  # a dashed line at the budget (none drawn for a budget far right of every point)
             assert budget[0] == pytest.approx([exp["budget"] / scale] * 2)
         # One timeline bar per trial, in its class.
         bars = {int(g.split(":")[2]): g.split(":")[3] for g in drawn["timeline"] if g.startswith(f"trial:{label}:")}
@@ -385,7 +387,7 @@ def test_studies_stopped_before_a_measurement_are_a_row_not_chart_clutter(tmp_pa
     assert [s.measured for s in studies] == [True] + [False] * 20
     rows = report.best_table(studies)
     assert rows[0]["configuration"] == "dtype=bfloat16"
-    assert {r["configuration"] for r in rows[1:]} == {"no trials measured"}
+    assert {r["configuration"] for r in rows[1:]} == {"no trial completed a measurement"}
     for name, fig in report.figures(studies).items():
         assert "stopped-model" not in drawn_text(fig), name
         assert "tiny-sdxl 1GB cpu" in drawn_text(fig), name
@@ -408,7 +410,7 @@ def test_a_storage_with_only_a_stopped_study_reports_it_without_charts(tmp_path)
     assert "compared 1 study: stopped-model 1GB cpu" in proc.stdout  # not "1 studies"
     assert "wrote 0 charts" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]
-    assert "<td>no trials measured</td>" in (tmp_path / "out" / "index.html").read_text()
+    assert "<td>no trial completed a measurement</td>" in (tmp_path / "out" / "index.html").read_text()
 
 
 # ---- sources: storages given as paths, files a report must not write, the same source twice ----
@@ -688,3 +690,41 @@ def test_report_of_a_study_named_with_its_storage_needs_no_default_storage(studi
     proc = run_cli("report", "--study", f"roomy@{url}", "--out", "o", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "compared 1 study" in proc.stdout and not (tmp_path / "autotune-studies").exists()
+
+
+def failed_study(url, name, status, n=3):
+    """A study whose every trial ended `status` (timeout, out_of_memory), as study.tune records it."""
+    study = optuna.create_study(study_name=name, storage=url)
+    study.set_user_attr("request", {"model": {"name": name}, "workload": {"height": 64, "width": 64,
+                        "steps": 1, "batch_size": 1}, "budget_bytes": 2**30, "device": "cpu"})
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    t0 = datetime(2026, 1, 1, 12, 0, 0)
+    for i in range(n):
+        result = {"status": status, "error": "x"}
+        if status == "out_of_memory":
+            result["peak_memory_bytes"] = (400 + i) * 2**20
+        trial = optuna.trial.create_trial(
+            params={"dtype": "float32"}, distributions=dist, value=float("inf"),
+            user_attrs={"config": {"dtype": "float32"}, "result": result, "baseline": i == 0,
+                        "violation": 1.0, "violations": {"memory": 1.0}})
+        trial.datetime_start, trial.datetime_complete = t0 + timedelta(seconds=10 * i), t0 + timedelta(seconds=10 * i + 5)
+        study.add_trial(trial)
+
+
+def test_a_study_where_nothing_ran_says_why_and_is_left_out_of_the_charts(tmp_path):
+    # every trial timed out: it was "no measured configuration fits the budget", and its budget
+    # and an empty axis from -0.04 to 0.04 s were drawn
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    failed_study(url, "timeouts", "timeout")
+    failed_study(url, "nofit", "out_of_memory")
+    studies = report.load(url)
+    assert [s.measured for s in studies] == [True, False, False]
+    said = {s.name: s.why_no_best() for s in studies[1:]}
+    assert said == {"timeouts": "no configuration ran (timeout 3)",
+                    "nofit": "nothing fits the budget: every configuration ran out of memory (out_of_memory 3)"}
+    assert "timeouts: no configuration ran (timeout 3) (left out of the charts)" in studies[1].notes
+    assert [r["configuration"] for r in report.best_table(studies)][1:] == list(said.values())
+    for name, fig in report.figures(studies).items():
+        assert "timeouts" not in drawn_text(fig) and "nofit" not in drawn_text(fig), name
