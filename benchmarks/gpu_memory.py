@@ -40,7 +40,7 @@ CONFIGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     p.add_argument("--model", default="sdxl")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)

@@ -31,7 +31,7 @@ SETTINGS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--models", nargs="+", default=["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
     args = parser.parse_args()
     print("| model | setting | PSNR (dB) | SSIM | passes --min-psnr auto |")

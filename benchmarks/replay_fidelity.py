@@ -47,7 +47,7 @@ def replayed(stdout: str, label: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--trials", default="8")
     parser.add_argument("--cases", nargs="*", metavar="MODEL=BUDGET",
                         help="models and budgets to tune and replay (default: " +

@@ -438,7 +438,7 @@ def replay_cmd(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="measure every config of a space once; store the table")
     m.add_argument("--model", default="tiny-sdxl")

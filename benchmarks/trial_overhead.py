@@ -25,7 +25,7 @@ def overhead(result: dict) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--model", default="tiny-sdxl")
     parser.add_argument("--trials", type=int, default=5, help="trials per launcher")
     parser.add_argument("--repeats", type=int, default=3)

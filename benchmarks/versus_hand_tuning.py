@@ -364,7 +364,7 @@ def log(*parts) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
     p.add_argument("--model", help="default: sd15 on a CPU, sdxl on a GPU, tiny-sd15 with --quick")
     p.add_argument("--random-weights", action=argparse.BooleanOptionalAction, default=True,
