@@ -226,7 +226,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     n_skipped = sum(skipped.values())
     not_measured = (f"; not measured: {count(n_skipped, 'more proposal')} ("
                     + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""
-    out.print(f"trials measured: {outcome.counts.get('trials', 0)} ({by_status}){not_measured}")
+    statuses = f" ({by_status})" if by_status else ""  # none measured: no empty "()"
+    out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
                   f"(peak + {format_size(margin_bytes)} margin)")
     for col in ("", "latency", "p90", "peak", "headroom", "cold", "speedup"):

@@ -575,8 +575,8 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
             machine=study.user_attrs.get("machine"),
         )
     except (KeyError, TypeError):  # TypeError: no request at all (None)
-        raise AutotuneError(f"study {study.study_name}: it was not written by this version of autotune "
-                            "(no request recorded)") from None
+        raise AutotuneError(f"study {study.study_name}: it records no autotune request (an Optuna study of "
+                            "another tool, or one written by an older autotune)") from None
 
 
 def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:

@@ -137,6 +137,7 @@ def test_a_run_that_measured_nothing_is_an_error_not_a_budget_too_small(cli):
                "--trials", "4", "--timeout", "0.001")
     assert proc.returncode == 1  # 3 says "nothing fits": nothing was measured
     assert "no trial completed a measurement (--timeout 0.001 s reached)" in one_line_error(proc)
+    assert "trials measured: 0\n" in proc.stdout  # not "0 ()"
 
 
 def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
@@ -150,7 +151,7 @@ def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["export", "--study-name", "plain", "--storage", "sqlite:///s.db"],
-     "study plain: it was not written by this version of autotune (no request recorded)"),
+     "study plain: it records no autotune request (an Optuna study of another tool, or one written by an older autotune)"),
     (["report", "--storage", "sqlite:///s.db", "--out", "o"], "storage sqlite:///s.db: it holds no study made by autotune"),
     (["report", "plain@sqlite:///s.db", "--out", "o"],
      "storage sqlite:///s.db: study 'plain' was not made by autotune (it records no request)"),
