@@ -21,7 +21,6 @@ import yaml
 
 from autotune.console import config_changes
 
-RESULTS = Path(__file__).resolve().parent / "results" / "replay_fidelity.md"
 # model, budget: budgets that bite, chosen from peaks measured on the 2-core Xeon this ran on
 # (float32, 808 / 534 / 534 MiB, does not fit with the 5% margin; bfloat16, 730 / 510 / 509-519 MiB,
 # does). Peaks differ between machines and library versions: --cases chooses others.
@@ -52,7 +51,14 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", metavar="MODEL=BUDGET",
                         help="models and budgets to tune and replay (default: " +
                         " ".join(f"{m}={b}" for m, b in CASES) + ")")
+    parser.add_argument("--out", type=Path, default=Path("benchmark-results") / "replay_fidelity.md",
+                        help="markdown file the run is added to, newest first (default "
+                             "./benchmark-results/replay_fidelity.md; the committed one is "
+                             "benchmarks/results/replay_fidelity.md)")
     args = parser.parse_args()
+    bad = [c for c in args.cases or [] if "=" not in c]
+    if bad:
+        parser.error(f"--cases {bad[0]}: expected MODEL=BUDGET, such as tiny-sd15=545MB")
     cases = [tuple(c.split("=", 1)) for c in args.cases] if args.cases else CASES
     rows = []
     with tempfile.TemporaryDirectory(prefix="autotune-replay-") as tmp:
@@ -85,8 +91,10 @@ def main() -> None:
     run = "\n".join(lines) + "\n"
     print(run)
     # Newest run first; earlier runs stay (a run on a drifting machine is one sample).
-    earlier = RESULTS.read_text().split("\n", 1)[1].lstrip("\n") if RESULTS.exists() else ""
-    RESULTS.write_text(f"# Replay fidelity\n\n{run}\n{earlier}".rstrip("\n") + "\n")
+    earlier = args.out.read_text().split("\n", 1)[1].lstrip("\n") if args.out.exists() else ""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(f"# Replay fidelity\n\n{run}\n{earlier}".rstrip("\n") + "\n")
+    print(f"added to {args.out}")
 
 
 def _cpu_name() -> str:

@@ -127,6 +127,8 @@ def measure_table(args) -> None:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "configs": {},
     }
+    if out.exists() and not args.resume:  # written after every trial: the first would replace it
+        raise SystemExit(f"{out} exists: --resume adds to it, --out writes another table")
     if out.exists() and args.resume:
         old = json.loads(out.read_text())
         table["configs"] = old.get("configs", {})

@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired-rounds", type=int, help="rounds of the final paired measurement per budget "
                    "(autotune's pick and the best hand stack, alternately, in fresh trials; 0: off; default 3)")
     p.add_argument("--quick", action="store_true", help="tiny-sd15, 2 budgets, 4 trials, no compile")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=Path("benchmark-results"),
+                   help="folder for the results (default ./benchmark-results; the committed ones, in "
+                        "benchmarks/results, hold notes a run would replace: give it only to refresh them)")
     p.add_argument("--name", default="", help="suffix of the output files (versus_hand_tuning-NAME.*)")
     p.add_argument("--workdir", type=Path, help="trials, studies, pool, paired rounds and inductor cache "
                    "(default: /tmp/versus-hand-tuning-<timestamp>; the same one resumes, measuring only "
