@@ -132,4 +132,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script import run  # beside this file: python puts the script's folder on the path
+
+    run(main)

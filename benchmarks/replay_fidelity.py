@@ -108,4 +108,6 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from _script import run  # beside this file: python puts the script's folder on the path
+
+    run(main)

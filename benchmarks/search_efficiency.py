@@ -181,6 +181,8 @@ class Table:
 
     @classmethod
     def load(cls, path: Path) -> "Table":
+        if not Path(path).is_file():
+            raise SystemExit(f"{path}: no such table (measure writes one)")
         return cls(json.loads(Path(path).read_text()))
 
     def result(self, config: dict) -> dict:
@@ -422,6 +424,15 @@ def replay_cmd(args) -> None:
     holds_at = tuple(int(x) for x in args.holds_at.split(","))
     max_trials = args.max_trials or len(table.space.configs())
     strategies = args.strategies.split(",")
+    unknown = [n for n in strategies if n not in STRATEGIES and n.removeprefix("ours:") not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--strategies {unknown[0]}: use {', '.join(STRATEGIES)} or ours:NAME "
+                         f"with NAME one of {', '.join(VARIANTS)}")
+    empty = [b for b in budgets if not table.feasible(b)]
+    if empty:
+        smallest = min(r["peak_memory_bytes"] for r in table.ok_rows() if r.get("peak_memory_bytes"))
+        raise SystemExit(f"--budgets-mib: no config of the table fits {empty[0] / 2**20:g} MiB "
+                         f"(the smallest peak is {smallest / 2**20:.1f} MiB)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
 
@@ -476,4 +487,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script import run  # beside this file: python puts the script's folder on the path
+
+    run(main)

@@ -354,7 +354,10 @@ def parse_budgets(text: str, device: str, peaks: dict[str, int] | None, machine_
     out = []
     for part in text.split(","):
         part = part.strip()
-        out.append(machine_bytes if part in ("card", "all", "machine") else parse_size(part))
+        try:
+            out.append(machine_bytes if part in ("card", "all", "machine") else parse_size(part))
+        except ValueError as exc:  # one line, as autotune --vram says it
+            raise SystemExit(f"--budgets {part}: {exc}") from None
     return sorted(set(out))
 
 
