@@ -403,10 +403,27 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         else:
             raise ReportError(f"'{entry}': expected NAME@STORAGE_URL, a storage URL "
                               "(sqlite:///FILE, journal:FILE, ...), a SQLite file or a profile file")
+    out = _without_moved_twins(out)
     if not out:
         raise ReportError("nothing to compare: give studies (NAME@STORAGE_URL), a storage or profiles")
     _label(out)
     return out
+
+
+def _without_moved_twins(loaded: list[StudyData]) -> list[StudyData]:
+    """A profile whose study was not found where it records it (its storage moved), given beside
+    that study read from where it is now: one study, compared once. Study names carry a hash of
+    their request, so the name is the study's identity."""
+    read = {d.name: d for d in loaded if d.source == "study"}
+    kept = []
+    for d in loaded:
+        twin = read.get(d.name) if d.source == "profile" and d.storage is None else None
+        if twin is None:
+            kept.append(d)
+        else:
+            twin.notes.append(f"{d.name}: given again (profile {d.origin}, whose recorded storage is not "
+                              "here), compared once")
+    return kept
 
 
 def _as_url(text: str) -> str:

@@ -728,3 +728,16 @@ def test_a_study_where_nothing_ran_says_why_and_is_left_out_of_the_charts(tmp_pa
     assert [r["configuration"] for r in report.best_table(studies)][1:] == list(said.values())
     for name, fig in report.figures(studies).items():
         assert "timeouts" not in drawn_text(fig) and "nofit" not in drawn_text(fig), name
+
+
+def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(studies, tmp_path):
+    # its study not found where the profile records it, the profile was its own entry beside the
+    # same study read from where it is now: two identical fronts drawn over each other
+    from autotune import report
+
+    _, url = studies
+    profile = profile_recording(studies, tmp_path / "moved.yaml", f"sqlite:///{tmp_path / 'gone' / 'studies.db'}")
+    loaded = report.load([str(profile), f"roomy@{url}"])
+    assert [(s.name, s.source) for s in loaded] == [("roomy", "study")]
+    assert ("roomy: given again (profile moved.yaml, whose recorded storage is not here), compared once"
+            in loaded[0].notes)
