@@ -18,6 +18,7 @@ scripts and tests can read back what was drawn.
 from __future__ import annotations
 
 import html
+import textwrap
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -883,7 +884,8 @@ def plot_images(studies: list[StudyData]):
             caption, path = imgs[c]
             with Image.open(path) as im:
                 ax.imshow(im.convert("RGB"), gid=f"image:{s.label}:{path.name}")
-            ax.set_title(f"{s.label}\n{caption}", fontsize=7)
+            # wrapped to the image's width: a long configuration ran past the figure's edge
+            ax.set_title(f"{s.label}\n{textwrap.fill(caption, 44)}", fontsize=7)
     fig.suptitle("Output images of the chosen configurations (fixed seed)")
     return fig
 
