@@ -1,12 +1,14 @@
-"""What the benchmark scripts do around their main(), as autotune's own command does: bad input
+"""What every benchmark script does around its main(), as autotune's own command does: bad input
 (an unknown model, a size that is not one) is one line and exit 1, not a traceback; Ctrl-C, or
-SIGTERM from `timeout`, stops the running trial with its process group and removes the script's
-temporary folders (SIGTERM at its default ended the script at once and left them in /tmp)."""
+SIGTERM from `timeout`, stops the running trial with its process group, removes the script's
+temporary folders (SIGTERM at its default ended the script at once and left them in /tmp), says
+what was kept, and exits 130."""
 
 import sys
 
 
-def run(main) -> None:
+def run(main, kept: str = "") -> None:
+    """`kept`: what an interrupted run leaves for the user, said after "interrupted"."""
     from autotune.cli import terminate_as_interrupt
     from autotune.errors import AutotuneError
 
@@ -15,6 +17,7 @@ def run(main) -> None:
         result = main()
     except AutotuneError as exc:
         sys.exit(f"{sys.argv[0]}: error: {exc}")
-    except KeyboardInterrupt:
-        sys.exit(f"{sys.argv[0]}: interrupted")  # the context managers have cleaned up by now
+    except KeyboardInterrupt:  # the context managers have cleaned up by now
+        print(f"{sys.argv[0]}: interrupted{': ' + kept if kept else ''}", file=sys.stderr)
+        sys.exit(130)
     sys.exit(result)

@@ -54,13 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from autotune import fingerprint, runner, worker
-    from autotune.cli import measurement_defaults, terminate_as_interrupt
+    from autotune.cli import measurement_defaults
     from autotune.knobs import baseline
     from autotune.models import resolve_model
     from autotune.sizes import format_size, parse_margin, parse_size
     from autotune.workload import Workload
 
-    terminate_as_interrupt()  # stopped by `timeout` or kill: the running trial's group is killed too
     if not fingerprint.cuda_available():
         print("gpu_memory: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
@@ -144,8 +143,6 @@ def write_tables(args, rows: list[dict], gpu: str, torch_version: str, margin: s
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout` (terminate_as_interrupt)
-        print("interrupted: the rows measured before are in gpu_memory.md/.json under --out", file=sys.stderr)
-        sys.exit(130)
+    from _script import run  # beside this file: python puts the script's folder on the path
+
+    run(main, kept="the rows measured before are in gpu_memory.md/.json under --out")

@@ -54,7 +54,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from autotune.cli import measurement_defaults, terminate_as_interrupt
+from autotune.cli import measurement_defaults
 from autotune.console import config_changes  # how the CLI names a config's changes
 from autotune.worker import write_json
 
@@ -400,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-machine", action="store_true",
                    help="say in the results that other work shared the machine during the run")
     args = p.parse_args(argv)
-    terminate_as_interrupt()  # stopped by `timeout` or kill: the running trial's group is killed too
 
     import optuna
     import torch
@@ -919,8 +918,6 @@ def chart(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout` (terminate_as_interrupt)
-        print("interrupted: the measurements so far are kept in the working folder printed at the start", file=sys.stderr)
-        sys.exit(130)
+    from _script import run  # beside this file: python puts the script's folder on the path
+
+    run(main, kept="the measurements so far are kept in the working folder printed at the start")
