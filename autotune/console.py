@@ -186,7 +186,12 @@ def busy_timings(outcome) -> str | None:
 
 def status_counts(outcome) -> str:
     """How the study's measured trials ended: "ok 6, out_of_memory 2"."""
-    return ", ".join(f"{k} {v}" for k, v in sorted(outcome.counts.get("by_status", {}).items()))
+    return counts_text(outcome.counts.get("by_status", {}))
+
+
+def counts_text(counts: dict) -> str:
+    """Counts by status, as the summary and the report say them: "ok 6, out_of_memory 2"."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def print_share(out: Console, outcome) -> None:

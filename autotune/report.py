@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .choice import pareto_front
-from .console import count
+from .console import count, counts_text
 from .errors import AutotuneError, os_reason
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
                        display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
@@ -126,7 +126,7 @@ class StudyData:
             return "no trial completed a measurement"
         if not self.measured:
             statuses = Counter(p.status for p in self.points)
-            said = ", ".join(f"{status} {n}" for status, n in statuses.most_common())
+            said = counts_text(statuses)
             if set(statuses) == {"out_of_memory"}:
                 return f"nothing fits the budget: every configuration ran out of memory ({said})"
             return f"no configuration ran ({said})"
@@ -279,10 +279,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
-    if not data.measured:
-        data.notes.append(f"{name}: {data.why_no_best()} (left out of the charts)")
-    elif data.best is None:
-        data.notes.append(f"{name}: no measured configuration fits the budget")
+    if data.best is None:  # one wording for the note, the table and the speedups chart
+        data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
     return data
 
 

@@ -25,6 +25,7 @@ import socket
 import statistics
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -319,9 +320,9 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         "complete": sum(r.status == worker.OK for r in records),
         "infeasible": sum(not r.feasible for r in records),
         "failed": sum(r.status != worker.OK for r in records),
-        "by_status": _count_by(r.status for r in records),
+        "by_status": dict(Counter(r.status for r in records)),
         # proposals that took a trial number and were not measured, by why
-        "not_measured": _count_by(filter(None, map(_why_not_measured, trials))),
+        "not_measured": dict(Counter(filter(None, map(_why_not_measured, trials)))),
     }
     outcome.guard_asked = guard_asked
     outcome.quality_guard = attrs.get("quality_guard") if guard_asked else None
@@ -371,11 +372,6 @@ def pareto_front(feasible: list[TrialRecord]) -> list[TrialRecord]:
     return _front(feasible, lambda r: r.peak_memory_bytes, lambda r: r.latency_s)
 
 
-def _count_by(values) -> dict:
-    counts: dict = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    return counts
 
 
 # How a trial is measured: (worker request, trial directory, heartbeat tick) -> worker result.
