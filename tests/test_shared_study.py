@@ -19,8 +19,10 @@ from helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
-# 12 configurations, more than the trials asked for: the workers must share them out.
-SPACE = "knobs:\n  dtype: [float32, bfloat16, float16]\n  channels_last: [false, true]\n  fuse_qkv: [false, true]\n"
+# 6 configurations (sliced attention and fused QKV exclude each other), more than the 5 trials
+# asked for: the workers must share them out. float32 throughout: the configs differ by a few
+# percent, so there are always contenders for the workers to confirm.
+SPACE = "knobs:\n  dtype: [float32]\n  channels_last: [false, true]\n  fuse_qkv: [false, true]\n  attention: [sdpa, sliced]\n"
 # --threads 1: two workers on a 2-core machine; two threads each would oversubscribe the cores,
 # and OpenMP's spinning barriers then slow every call down many times over.
 # 64x64 and 2 steps: calls of about 0.1 s, so the tests measure the sharing, not the model.
@@ -64,7 +66,7 @@ def worker_count(output, total):
 
 def two_workers_share(tmp_path, url, extra):
     (tmp_path / "space.yaml").write_text(SPACE)
-    args = [*BASE, "--trials", "6", "--storage", url, *extra]
+    args = [*BASE, "--trials", "5", "--storage", url, *extra]
     first = start(tmp_path, *args, "--output", "shared.yaml")
     second = start(tmp_path, *args, "--no-profile")
     out_first, _ = first.communicate(timeout=600)
@@ -75,7 +77,7 @@ def two_workers_share(tmp_path, url, extra):
     study, trials = measured_trials(url)
     keys = [t.user_attrs["config_key"] for t in trials]
     assert len(keys) == len(set(keys)), "a configuration was measured twice"
-    assert 6 <= len(trials) <= 7  # two workers may each start the last trial at the same moment
+    assert 5 <= len(trials) <= 6  # two workers may each start the last trial at the same moment
     by_worker = {}
     for t in trials:
         by_worker[t.user_attrs["worker"]] = by_worker.get(t.user_attrs["worker"], 0) + 1
@@ -85,10 +87,10 @@ def two_workers_share(tmp_path, url, extra):
     # one worker at a time confirms the contenders (--confirm 2): each measured twice more, not
     # once by each worker
     confirmed = study.user_attrs.get("confirmations", {})
-    assert all(len(entries) == 2 for entries in confirmed.values()), confirmed
+    assert confirmed and all(len(entries) == 2 for entries in confirmed.values()), confirmed
     claims = [t for t in study.trials if "confirmer" in t.user_attrs]
     assert all(t.state == optuna.trial.TrialState.FAIL for t in claims)  # released, none left running
-    assert bool(claims) == bool(confirmed)
+    assert claims
 
     profile = yaml.safe_load((tmp_path / "shared.yaml").read_text())  # one profile, of all trials
     assert profile["study"]["trials"] == len(trials)
@@ -111,7 +113,8 @@ def test_two_workers_share_a_study_through_a_journal_file(tmp_path):
 
 
 def test_a_worker_killed_mid_trial_has_its_trial_retried_by_the_other(tmp_path, postgres):
-    (tmp_path / "space.yaml").write_text(SPACE)
+    # half precision too: a float16 trial takes seconds on a CPU, time to see it running and kill it
+    (tmp_path / "space.yaml").write_text("knobs:\n  dtype: [float32, bfloat16, float16]\n  channels_last: [false, true]\n")
     url = postgres  # the same server as the other test; a study of its own name
     args = [*BASE[:-1], "killed", "--trials", "4", "--storage", url, "--min-psnr", "0",
             "--spread", "0.0001", "--max-calls", "20"]  # 20 timed calls: a trial lasts seconds
