@@ -51,7 +51,9 @@ CLASS_COLORS = {
     "interrupted": "#555555",
     "duplicate": "#c7c7c7",
     "forbidden": "#dbdb8d",
+    "confirming": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
 }
+NOT_MEASURED = ("duplicate", "forbidden", "confirming")  # timeline bars that are not the search's trials
 FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
             "crashed", "interrupted")
 
@@ -162,7 +164,7 @@ def trial_class(frozen) -> str | None:
     from .study import CONFIRMER
 
     if CONFIRMER in frozen.user_attrs:
-        return None  # a shared study's claim on its confirmation phase, not a measurement
+        return "confirming"  # a worker's claim on the confirmation phase: from its start to its end
     if frozen.state == TrialState.PRUNED:
         return "forbidden"
     if frozen.state == TrialState.FAIL:
@@ -197,7 +199,7 @@ def _timeline(trials) -> list[Span]:
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
         end, cut = t.datetime_complete, False
-        if kind == "interrupted":
+        if kind in ("interrupted", "confirming"):  # a confirming worker may have been killed too
             end, cut = _stale_end(t, retried, starts)
         spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(), (end - t0).total_seconds(), kind, cut))
     return spans
@@ -825,7 +827,8 @@ def plot_importances(studies: list[StudyData]):
 
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
-    ended (ok, over budget, each failure class, duplicate, forbidden); counts in the legend."""
+    ended (ok, over budget, each failure class, duplicate, forbidden), and the confirmation
+    phase as one bar; counts in the legend."""
     studies = _charted(studies)
     fig = _figure(10, 1.5 + 0.8 * len(studies))
     ax = fig.add_subplot()
@@ -850,7 +853,7 @@ def plot_timeline(studies: list[StudyData]):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label=f"cut: run killed, end unknown ({cut})"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
-    ticks = [f"{s.label}\n{count(len(s.timeline), 'trial')}, "
+    ticks = [f"{s.label}\n{count(sum(n for k, n in s.counts.items() if k not in NOT_MEASURED), 'trial')}, "
              f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
     ax.set_yticks(range(len(studies)), ticks, fontsize=8)
     ax.invert_yaxis()

@@ -73,8 +73,8 @@ def expected(url, name):
     timeline = {}
     for t in study.trials:
         if "confirmer" in t.user_attrs:
-            continue  # the claim on the confirmation phase: no bar
-        if t.state == TrialState.PRUNED:
+            kind = "confirming"  # the claim on the confirmation phase: one bar for it
+        elif t.state == TrialState.PRUNED:
             kind = "forbidden"
         elif t.state == TrialState.FAIL:
             kind = "interrupted"
@@ -299,6 +299,25 @@ def test_images_are_shown_where_kept_relative_or_absolute_and_missing_ones_are_s
     kinds = sorted(p.get_gid().split(":")[3] for ax in timeline.axes for p in ax.patches if p.get_gid())
     assert kinds == ["forbidden", "ok", "ok", "out_of_memory"]
     assert "out_of_memory (1)" in [t.get_text() for t in timeline.axes[0].get_legend().get_texts()]
+
+
+def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_trials(tmp_path):
+    """A study's confirmation phase (the claim a worker holds while it measures the contenders
+    again) is one bar, and neither it nor the forbidden proposal counts as a trial."""
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    study = optuna.load_study(study_name="synthetic", storage=url)
+    t0 = datetime(2026, 1, 1, 12, 0, 0)
+    claim = optuna.trial.create_trial(params={}, distributions={}, state=TrialState.FAIL,
+                                      user_attrs={"confirmer": "host:1", "heartbeat_at": (t0 + timedelta(seconds=59)).timestamp()})
+    claim.datetime_start, claim.datetime_complete = t0 + timedelta(seconds=41), t0 + timedelta(seconds=60)
+    study.add_trial(claim)
+    (data,) = report.load(f"synthetic@{url}")
+    assert [(sp.kind, sp.start_s, sp.end_s) for sp in data.timeline][-1] == ("confirming", 41.0, 60.0)
+    fig = report.plot_timeline([data])
+    assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 5 trials
+    assert "confirming (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
@@ -599,7 +618,8 @@ def ranked_study(url, name, steps, trials=5):
     study.set_user_attr("request", {**REQUEST, "workload": {**REQUEST["workload"], "steps": steps}})
     dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"]),
             "attention": CategoricalDistribution(["sdpa", "sliced"])}
-    for n in range(trials):
+    for n in range(trials):  # both knobs take both values (sampled at random, both were constant at times)
+        study.enqueue_trial({"dtype": ["float32", "bfloat16"][n % 2], "attention": ["sdpa", "sliced"][n // 2 % 2]})
         trial = study.ask(dist)
         tell_ok(study, trial, 1.0 + n * 0.1 + (trial.params["dtype"] == "float32"), (500 + 10 * n) * 2**20)
 
