@@ -320,6 +320,23 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     assert "confirming (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
+def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path):
+    # they were written across the bar, and the dashed 1.0x line ran through them
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from autotune import report
+
+    (data,) = report.load(f"synthetic@{synthetic_study(tmp_path, {})}")
+    fig = report.plot_speedups([data])
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    (words,) = [t for t in ax.texts if t.get_text().startswith("2.00x")]
+    (bar,) = [p for p in ax.patches if p.get_gid() == f"speedup:{data.label}"]
+    assert not words.get_window_extent(renderer).overlaps(bar.get_window_extent(renderer))
+    (line,) = ax.lines
+    assert words.get_bbox_patch() is not None and words.get_zorder() > line.get_zorder()
+
+
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     from autotune import report
 
