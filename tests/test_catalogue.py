@@ -386,7 +386,7 @@ def test_vae_tiling_acts_at_sizes_the_vae_would_not_tile_itself():
 
 def test_group_offload_is_cuda_only_and_ranked_where_known():
     offload = CATALOGUE["offload"]
-    for value in ("group-block-1", "group-block-1-stream", "group-leaf", "group-leaf-stream"):
+    for value in ("group-block-1", "group-block-1-stream", "group-leaf", "group-leaf-stream", "group-leaf-stream-lowmem"):
         assert "needs a CUDA GPU" in offload.unavailable(value, cpu("sdxl"))
         assert offload.unavailable(value, cuda("sdxl")) is None
     assert offload.needs_no_less_memory("model", "group-block-1")

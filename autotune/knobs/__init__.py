@@ -51,7 +51,8 @@ APPLY_ORDER: tuple[Knob, ...] = (
 CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
 
 _HOOKS = ["model", "sequential", "group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
-          "group-leaf-stream"]
+          "group-leaf-stream", "group-leaf-stream-lowmem"]
+_STREAMED = ["group-block-1-stream", "group-leaf-stream", "group-leaf-stream-lowmem"]
 _CACHES = ["first-block", "taylorseer", "magcache"]
 _COMPILED = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -119,12 +120,13 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # placement
     ({"placement": "balanced", "offload": _HOOKS},
      "balanced placement puts whole components on GPUs; offload hooks would move them again (diffusers raises)"),
-    ({"vae_tiling": True, "offload": ["group-block-1-stream", "group-leaf-stream"]},
+    ({"vae_tiling": True, "offload": _STREAMED},
      "diffusers: group offload with CUDA streams on a VAE may misbehave when the first pass is tiled"),
     # Inferred from diffusers 0.42.1's code for a failure of the GPU pair test on an H100 (an SDXL
     # VAE decode with "mixed dtype"): the pinned host copies are keyed by parameter and made once,
     # and `.to(dtype)` converts the parameters in place, so the copies keep the old dtype.
-    ({"dtype": "float16", "vae_fp16_fix": False, "offload": ["group-block-1-stream", "group-leaf-stream"],
+    # (-lowmem pins as it moves, from the parameters as they are then: not seen on a GPU, kept with them)
+    ({"dtype": "float16", "vae_fp16_fix": False, "offload": _STREAMED,
       "family": ["sdxl"]},
      "SDXL upcasts its float16 VAE with .to(float32) for each decode; group offload with streams onloads "
      "the float16 host copies it pinned when it was set up, so the decode mixes dtypes"),

@@ -106,11 +106,20 @@ def test_flux_dispatcher_backends(backend):
     assert len(pinned) == 1 and None not in pinned  # on the processors, not the process default
 
 
+def offload_settings(model, name: str) -> set:
+    """The values of setting `name` (a GroupOffloadingConfig field) that diffusers' group-offloading
+    hooks on `model` were set up with."""
+    hooks = [m._diffusers_hook.get_hook("group_offloading") for m in model.modules()
+             if getattr(m, "_diffusers_hook", None) is not None]
+    return {getattr(h.config, name) for h in hooks if h is not None}
+
+
 @pytest.mark.parametrize("kind", ["group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
-                                  "group-leaf-stream"])
+                                  "group-leaf-stream", "group-leaf-stream-lowmem"])
 def test_group_offload_keeps_weights_on_the_host(kind):
     pipe = run({"dtype": "bfloat16", "offload": kind})
     assert "group_offloading" in hooks_of(pipe.unet)
+    assert offload_settings(pipe.unet, "low_cpu_mem_usage") == {kind.endswith("-lowmem")}
     if "stream" not in kind:  # streamed groups keep pinned host copies; the plain ones go back
         assert next(pipe.unet.parameters()).device.type == "cpu"
 
