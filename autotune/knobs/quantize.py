@@ -4,6 +4,10 @@ Both rewrite the weights, so both come after fuse_qkv in APPLY_ORDER (a quantize
 cannot be concatenated into a fused projection), and they exclude each other (knobs.CONFLICTS).
 A config with either is built on the host and reaches the device already rewritten
 (knobs.build_device).
+
+The VAE is not quantized, though issue #4 names it as optional: torchao's configs quantize linear
+layers, and 2.5% of the VAE's weights are in them (2.1M of 83.7M parameters in the VAEs of SDXL,
+SD1.5, SD3 and Flux, counted from their shipped configs); the rest, and its time, are convolutions.
 """
 
 from __future__ import annotations
