@@ -199,7 +199,7 @@ def _timeline(trials) -> list[Span]:
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
         end, cut = t.datetime_complete, False
-        if kind in ("interrupted", "confirming"):  # a confirming worker may have been killed too
+        if kind == "interrupted":  # (a confirming claim's heartbeat_at is only its start on an RDB storage)
             end, cut = _stale_end(t, retried, starts)
         spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(), (end - t0).total_seconds(), kind, cut))
     return spans

@@ -309,8 +309,9 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     url = synthetic_study(tmp_path, {})
     study = optuna.load_study(study_name="synthetic", storage=url)
     t0 = datetime(2026, 1, 1, 12, 0, 0)
+    # its heartbeat_at as on SQLite: the moment it was claimed, never updated (RDB heartbeats are Optuna's)
     claim = optuna.trial.create_trial(params={}, distributions={}, state=TrialState.FAIL,
-                                      user_attrs={"confirmer": "host:1", "heartbeat_at": (t0 + timedelta(seconds=59)).timestamp()})
+                                      user_attrs={"confirmer": "host:1", "heartbeat_at": (t0 + timedelta(seconds=41)).timestamp()})
     claim.datetime_start, claim.datetime_complete = t0 + timedelta(seconds=41), t0 + timedelta(seconds=60)
     study.add_trial(claim)
     (data,) = report.load(f"synthetic@{url}")
