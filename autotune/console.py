@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -59,9 +61,12 @@ def print_space(space, target, out: Console | None = None) -> None:
     table.add_column("searched", min_width=longest, overflow="fold")
     # what the others leave (less borders and padding): rich alone let the table overflow the width
     table.add_column("help", overflow="fold", max_width=max(12, out.width - names - longest - 10))
+    dropped = {d.knob for d in space.dropped}
     for name, knob in CATALOGUE.items():
         dim = searched.get(name)
-        text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default}"
+        # why a knob is not searched: the space leaves it out, or this machine cannot run its choices
+        why = "its other choices dropped, below" if name in dropped else f"not in {Path(space.source).name}"
+        text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default} ({why})"
         if dim and dim.when:
             text += f"  (when {_when_text(dim.when)})"
         table.add_row(name, text, knob.help)

@@ -330,3 +330,21 @@ def test_compile_is_dropped_on_a_cpu_where_inductor_finds_no_compiler(tmp_path):
     seen = subprocess.run([sys.executable, "-c", code], env={**env, "PATH": str(tmp_path)},
                           capture_output=True, text=True, check=True).stdout
     assert "needs a C++ compiler inductor finds" in seen and "g++" in seen
+
+
+def test_the_listing_says_why_a_knob_is_not_searched():
+    """'fixed at none' alone did not say whether the space leaves a knob out or this machine
+    cannot run its other choices."""
+    import re
+
+    from rich.console import Console
+
+    from autotune.console import print_space
+
+    target = Target("cpu", "flux")
+    out = Console(width=200, record=True)
+    print_space(SearchSpace.from_file(SHIPPED_DIR / "tiny-flux.yaml").restrict(target), target, out)
+    text = out.export_text()
+    assert re.search(r"│ cache +│ fixed at none \(not in tiny-flux\.yaml\) +│", text)
+    assert re.search(r"│ offload +│ fixed at none \(its other choices dropped, below\) +│", text)
+    assert "offload=model: CPU offload needs an accelerator" in text
