@@ -241,7 +241,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
                   f"(peak + {format_size(margin_bytes)} margin)")
     for col in ("", "latency", "p90", "peak", "headroom", "cold", "speedup"):
-        table.add_column(col, no_wrap=True)
+        # figures whole; the headroom's note wraps: at 80 columns (a pipe, a log) rich cut them to "…"
+        table.add_column(col, no_wrap=col != "headroom", min_width=len(col))
     base = outcome.baseline
     rows = [("baseline", base)] + ([("best", outcome.best)] if outcome.best else [])
     configs = []
@@ -280,7 +281,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
 
 def _headroom(left: int, margin_bytes: int) -> str:
     """What a peak leaves under the budget; short of the margin, that config does not fit."""
-    return format_size(left) + (" (< margin)" if left < margin_bytes else "")
+    return format_size(left) + (" (over budget)" if left < 0 else " (< margin)" if left < margin_bytes else "")
 
 
 def print_verification(out: Console, profile, result: dict, fits: bool | None = None,

@@ -814,6 +814,29 @@ def test_the_summary_marks_a_headroom_short_of_the_margin():
     out = Console(record=True, width=200)
     print_summary(out, StudyOutcome(records=[base], stop_reason="done", baseline=base), 1024 * MiB, 512 * MiB)
     assert "500.00 MiB (< margin)" in out.export_text()
+    # over the budget itself: said so, not "short of the margin"
+    over = TrialRecord(1, {}, "ok", {"peak_memory_bytes": 1060 * MiB, "latency_s": 0.5}, 1.0)
+    out = Console(record=True, width=200)
+    print_summary(out, StudyOutcome(records=[base, over], stop_reason="done", baseline=base, best=over), 1024 * MiB, 51 * MiB)
+    assert "-36.00 MiB (over budget)" in out.export_text()
+
+
+def test_the_summary_table_keeps_its_figures_whole_at_80_columns():
+    # piped or logged, rich's console is 80 wide: the figures were cut to "laten…", "528.21 M…"
+    from rich.console import Console
+
+    from autotune.console import print_summary
+    from autotune.study import StudyOutcome, TrialRecord
+
+    MiB = 2**20
+    base = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 528 * MiB, "latency_s": 0.134, "p90_s": 0.135,
+                                     "cold_start_s": 0.1}, -0.1, baseline=True)
+    best = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 514 * MiB, "latency_s": 0.115,
+                                                         "p90_s": 0.116, "cold_start_s": 0.1}, -0.1)
+    out = Console(record=True, width=80)
+    print_summary(out, StudyOutcome(records=[base, best], stop_reason="done", baseline=base, best=best), 545 * MiB, 27 * MiB)
+    text = out.export_text()
+    assert "…" not in text and "latency" in text and "528.00 MiB" in text and "17.00 MiB (<" in text
 
 
 def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_fit(tmp_path, capsys):
