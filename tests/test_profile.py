@@ -3,6 +3,7 @@
 import copy
 import io
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -515,6 +516,18 @@ def test_optional_sections_may_be_null(tmp_path):
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.threads is None and "batch 1" in show(profile)
     assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
+
+
+def test_show_lists_the_best_in_the_front_table_even_when_it_was_kept_within_noise(tmp_path, written):
+    # kept over a faster config for changing fewer knobs, the best was named above a table without it
+    assert re.search(r"│ 3 \(best\) +│ 0\.100 s", show(load_profile(written)))  # on the front: marked there
+    doc = document()
+    doc["best"] = point(4, 0.11, 2 * GiB, dtype="bfloat16")
+    doc["study"]["choice"] = "kept trial 4 (1 knob changed) over trial 3 (2 knobs changed): within noise"
+    text = show(load_profile(profile_io.save(doc, tmp_path / "kept.yaml")))
+    assert "feasible Pareto front, and the best (kept within noise, not on it)" in text
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert rows == ["5", "4 (best)", "3"]  # by peak memory
 
 
 def test_a_profile_cut_short_at_any_line_is_refused(tmp_path):
