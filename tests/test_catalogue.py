@@ -552,7 +552,7 @@ def test_compile_vae_and_fullgraph():
     for rule in ({"offload": "sequential"}, {"cache": "first-block"}, {"layerwise_casting": "fp8-e4m3"}):
         assert conflict({**baseline(), "compile": "default", "compile_fullgraph": True, **rule}), rule
     # the compile sub-knobs only mean something when compiling
-    for knob in ("compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags"):
+    for knob in ("compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags", "compile_freezing"):
         assert conflict({**baseline(), knob: True}), knob
 
 
@@ -565,6 +565,13 @@ def test_inductor_flags_set_the_guides_settings(inductor_config):
         assert inductor_config.force_fuse_int_mm_with_mul is True
 
 
+def test_compile_freezing_sets_inductors_freezing_and_keeps_off_hooks_that_move_weights(inductor_config):
+    build_tiny("sd15", {"dtype": "bfloat16", "compile": "default", "compile_freezing": True})
+    assert inductor_config.freezing is True
+    for rule in ({"offload": "model"}, {"offload": "group-leaf-stream"}, {"layerwise_casting": "fp8-e4m3"}):
+        assert "freezing" in conflict({**baseline(), "compile": "default", "compile_freezing": True, **rule}), rule
+
+
 def test_a_false_global_flag_puts_back_what_the_process_had(inductor_config):
     # TF32, the cuDNN autotuner and the inductor flags are process-wide. In a serving process a
     # second profile that says False must get the state its own trial measured (a fresh
@@ -573,15 +580,16 @@ def test_a_false_global_flag_puts_back_what_the_process_had(inductor_config):
     fresh = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
              inductor_config.save_config())
     on = complete({"compile": "default", "quantize": "int8dq", "tf32": True, "cudnn_benchmark": True,
-                   "inductor_flags": True})
+                   "inductor_flags": True, "compile_freezing": True})
     off = complete({"compile": "default"})
     try:
         for config in (on, off):
-            for knob in (CATALOGUE["tf32"], CATALOGUE["cudnn_benchmark"], CATALOGUE["inductor_flags"]):
+            for knob in (CATALOGUE["tf32"], CATALOGUE["cudnn_benchmark"], CATALOGUE["inductor_flags"],
+                         CATALOGUE["compile_freezing"]):
                 knob.apply(None, config[knob.name], cpu("sdxl"), config)
             if config is on:
                 assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.benchmark
-                assert inductor_config.coordinate_descent_tuning is True
+                assert inductor_config.coordinate_descent_tuning is True and inductor_config.freezing is True
         assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
                 torch.backends.cudnn.benchmark, inductor_config.save_config()) == fresh
     finally:
@@ -618,7 +626,7 @@ def test_every_conflict_names_known_knobs_and_choices():
 
 
 # ---- every pair each shipped space allows ---------------------------------------------------------
-COMPILE_KNOBS = ("compile", "compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags")
+COMPILE_KNOBS = ("compile", "compile_fullgraph", "compile_regional", "compile_vae", "inductor_flags", "compile_freezing")
 
 
 def allowed_pairs(space):

@@ -20,7 +20,8 @@ from ..errors import AutotuneError
 from .attention import ATTENTION
 from .base import Knob, Target
 from .cache import CACHE
-from .compile import COMPILE, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES, INDUCTOR_FLAGS
+from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
+                      INDUCTOR_FLAGS)
 from .layout import CHANNELS_LAST, FUSE_QKV
 from .memory import OFFLOAD, PLACEMENT, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
@@ -47,6 +48,7 @@ APPLY_ORDER: tuple[Knob, ...] = (
     COMPILE_REGIONAL,
     COMPILE_VAE,
     INDUCTOR_FLAGS,  # global inductor settings, read at the first compiled call
+    COMPILE_FREEZING,  # the same
 )
 CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
 
@@ -109,6 +111,12 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),
     ({"compile": "none", "compile_vae": True}, "compile_vae only matters when compiling"),
     ({"compile": "none", "inductor_flags": True}, "inductor_flags only matter when compiling"),
+    ({"compile": "none", "compile_freezing": True}, "compile_freezing only matters when compiling"),
+    # freezing takes the weights as constants of the compiled graph, as they are when it compiles
+    ({"compile_freezing": True, "offload": _HOOKS},
+     "freezing takes the weights as constants where they are when it compiles; offload hooks move them at each call"),
+    ({"compile_freezing": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+     "freezing takes the weights as constants; layerwise casting keeps them in fp8 and casts them at each call"),
     # where weights are quantized: offload and balanced placement keep them on the host until
     # the hooks move them, so quantize_ runs there
     ({"quantize": "int4wo", "offload": _HOOKS},

@@ -223,6 +223,15 @@ def test_compile_fullgraph_with_fused_qkv_and_inductor_flags():
         config.load_config(saved)
 
 
+@pytest.mark.timeout(500)
+def test_compile_freezing_runs_and_matches_the_unfrozen_output():
+    # freezing folds the weights into the graph: the same image, within bfloat16's rounding
+    config = {"dtype": "bfloat16", "channels_last": True, "compile": "default"}
+    (plain,) = compiles(config, "sd15", calls=2)[1]
+    (frozen,) = compiles({**config, "compile_freezing": True}, "sd15", calls=2)[1]
+    assert np.isfinite(frozen).all() and np.abs(plain - frozen).max() < 0.05
+
+
 def test_balanced_placement_spreads_components():
     needs("placement", "balanced")
     pipe = run({"dtype": "bfloat16", "placement": "balanced"})
