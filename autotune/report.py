@@ -664,6 +664,18 @@ def _latency_axis(ax, latencies: list[float], label: str) -> None:
     ax.set_ylabel(label + (", log scale" if log else ""))
 
 
+def _at_least_a_tenth(ax) -> None:
+    """A linear latency axis spanning at least 10% of its values: two latencies 0.03 ms apart were
+    drawn a full axis apart, under tick labels written as an offset (+9.23e-2)."""
+    if ax.get_yscale() != "linear":
+        return
+    low, high = ax.get_ylim()
+    if low > 0 and high < 1.1 * low:
+        middle = (low + high) / 2
+        ax.set_ylim(middle * 0.95, middle * 1.05)
+    ax.ticklabel_format(axis="y", useOffset=False)
+
+
 def _legend_beside(ax) -> None:
     """The legend right of the axes: inside, it covered fronts, stars and baselines."""
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
@@ -685,6 +697,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     # budgets far beyond every point are not drawn; curves run on to here, past the last step
     edge = max([1.05 * top, *shown])
     unit, scale = memory_unit([edge])
+    drawn: list[float] = []  # the latencies on the chart: they choose its scale
     for s, color in zip(studies, _colors(len(studies))):
         if s.front:
             right = min(s.budget_bytes or edge, edge)
@@ -692,6 +705,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
             ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
             ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
                     label=s.label, gid=f"budget-curve:{s.label}")
+            drawn += ys
             last = s.front[-1]  # measured over the budget: what more memory would buy, from here
             over = [last] + [p for p in _unbudgeted_front(s.points)
                              if p.peak_memory_bytes > last.peak_memory_bytes and p.latency_s < last.latency_s]
@@ -701,15 +715,19 @@ def plot_best_vs_budget(studies: list[StudyData]):
             ax.plot([needs(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
                     ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
                     label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
+            drawn += [p.latency_s for p in over]
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
             ax.plot([s.budget_bytes / scale], [s.best.latency_s], "o", color=color, ms=8,
                     gid=f"at-budget:{s.label}")
+            drawn.append(s.best.latency_s)
             speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
+            right_half = s.budget_bytes > edge / 2  # written leftwards there: past the edge it was cut
             ax.annotate(f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
-                        xytext=(5, 5), textcoords="offset points", fontsize=8, color=color)
+                        xytext=(-5 if right_half else 5, 5), textcoords="offset points", fontsize=8,
+                        color=color, ha="right" if right_half else "left")
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
-    _latency_axis(ax, [p.latency_s for s in studies for p in s.points + s.front if p.latency_s],
-                  "best latency per call (s)")
+    _latency_axis(ax, drawn, "best latency per call (s)")
+    _at_least_a_tenth(ax)
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn

@@ -338,6 +338,31 @@ def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path
     assert words.get_bbox_patch() is not None and words.get_zorder() > line.get_zorder()
 
 
+def test_best_vs_budget_keeps_a_narrow_front_readable():
+    # two configs 0.03 ms apart filled the axis top to bottom, with no tick labels (a log scale
+    # chosen for a slow float16 trial the chart does not draw), and the label ran off the right edge
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from autotune import report
+
+    MiB = 2**20
+    fast = report.Point(1, {"dtype": "bfloat16"}, 0.09230, 512 * MiB)
+    kept = report.Point(2, {"dtype": "bfloat16"}, 0.09233, 516 * MiB)
+    slow = report.Point(3, {"dtype": "float16"}, 4.1, 600 * MiB, feasible=False)
+    base = report.Point(0, {}, 0.35, 520 * MiB, baseline=True)
+    study = report.StudyData(label="s", name="s", storage=None, model={}, workload={}, device="cpu",
+                             budget_bytes=545 * MiB, margin_bytes=27 * MiB, points=[base, fast, kept, slow],
+                             front=[fast], best=kept, baseline=base)
+    fig = report.plot_best_vs_budget([study])
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert ax.get_yscale() == "linear" and high >= 1.09 * low
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    assert [t for t in ax.get_yticklabels() if t.get_text()] and not ax.yaxis.get_offset_text().get_text()
+    (label,) = ax.texts
+    assert fig.bbox.contains(*label.get_window_extent(renderer).p1)
+
+
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     from autotune import report
 
