@@ -303,6 +303,9 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
         ratio = f"{new / old:.3f}" if old and new else "-"
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)
+    if result.get("status") == "ok" and _busy_note(result):  # as a trial's line says it
+        out.print(f"warning: replayed{_busy_note(result)}: its latency says as much of them as of the "
+                  "profile; verify again when they are done")
     if fits is None:
         return
     peak = result.get("peak_memory_bytes") or 0

@@ -564,6 +564,20 @@ def test_a_failed_replay_shows_no_replayed_figures(written):
     assert rows and "429" not in rows[0] and rows[0].count("-") >= 2, rows
 
 
+def test_a_replay_timed_beside_other_work_says_so(written):
+    # a replay at 12x the recorded latency, with other processes on its cores, said nothing of them
+    from rich.console import Console
+
+    from autotune import console
+
+    replayed = {"status": "ok", "latency_s": 1.2, "peak_memory_bytes": 3 * GiB}
+    for taken, warned in ((0.8, True), (0.1, False)):
+        out = Console(file=io.StringIO(), width=200)
+        console.print_verification(out, load_profile(written), {**replayed, "cores_taken_by_others": taken}, fits=True)
+        said = "warning: replayed (timed while other processes took 0.8 of its CPU cores)" in out.file.getvalue()
+        assert said == warned
+
+
 def test_the_readmes_serving_code_runs(written):
     """The README's serving snippet, as a user pastes it (on a tiny profile): it once applied a
     profile to the pipeline load_pipeline had configured, which raises."""
