@@ -478,7 +478,7 @@ def _tune(args, argv: list[str]) -> int:
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
-        warm_start=_warm_start_configs(args.warm_start, storage),
+        warm_start=_warm_start_configs(args.warm_start, storage, spec.name),
         hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
     )
     out = console.terminal()
@@ -624,17 +624,26 @@ def _print_interrupted(storage: str, study_name: str) -> None:
           "run the same command to resume", file=sys.stderr)
 
 
-def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
-    """The configs of earlier fronts: from profile files, or from studies (NAME@URL or NAME)."""
+def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[dict]:
+    """The configs of earlier fronts: from profile files, or from studies (NAME@URL or NAME). A
+    warning when one was measured on another model than `model` (allowed: a fine-tune of it)."""
+    import warnings
+
     from .errors import AutotuneError
     from .profile import load_profile
     from .study import summarize
     import optuna
 
+    def check_model(source: str, measured: str | None) -> None:
+        if measured and measured != model:
+            warnings.warn(f"--warm-start {source}: measured on {measured}, not {model}: its configs are "
+                          "measured here as any others", stacklevel=3)
+
     configs: list[dict] = []
     for source in sources:
         if Path(source).is_file():
             profile = load_profile(source)
+            check_model(source, profile.model.name)
             configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]
             continue
         name, _, url = source.partition("@")
@@ -645,6 +654,7 @@ def _warm_start_configs(sources: list[str], storage: str) -> list[dict]:
         except KeyError:
             raise AutotuneError(f"--warm-start {source}: no such profile file, nor a study {name!r} "
                                 f"in {display_url(url or storage)}") from None
+        check_model(source, (study.user_attrs.get("request") or {}).get("model", {}).get("name"))
         configs += [record.config for record in summarize(study).front]
     return configs
 

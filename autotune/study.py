@@ -595,8 +595,12 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
     space = req.space
     if created:
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
-        warm = space.fit(req.warm_start)
-        for config in warm:
+    # On a study that exists too (a resume given --warm-start was silently left as it was): the
+    # configs it has not measured, run or queued yet.
+    known = [t.params or t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
+    warm = space.fit(req.warm_start)
+    for config in warm:
+        if space.params(config) not in known:
             study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
 
     guard = study.user_attrs.get("quality_guard")

@@ -612,14 +612,14 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
 
 
 # ---- verify ------------------------------------------------------------------------------------------
-def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None):
+def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None, model="tiny-sd15"):
     """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it."""
     from autotune import fingerprint
     from autotune.models import resolve_model
     from autotune.sizes import parse_margin, parse_size
     from autotune.workload import Workload
 
-    spec = resolve_model("tiny-sd15")
+    spec = resolve_model(model)
     workload = Workload(**{**spec.default_workload.to_dict(), "height": 64, "width": 64, "steps": 1})
     budget_bytes = parse_size(budget)
     point = {"trial": 0, "config": config or {}, "latency_s": 0.1, "peak_memory_bytes": 400 * 2**20}
@@ -727,6 +727,19 @@ def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tm
         # every front config but the baseline proposed, in the space's terms
         proposed = sorted(config_key(t.user_attrs["config"]) for t in warm)
         assert proposed == sorted(config_key(complete(c)) for c in expected), (source, proposed, expected)
+    # On a study that exists, the configs it has not measured are queued (a resume left them out
+    # without a word), those it has are not; a profile of another model is taken with a warning.
+    other = {"dtype": "bfloat16", "attention": "sliced"}
+    write_profile(tmp_path / "other.yaml", config=other, model="tiny-sdxl")
+    proc = cli(*CHEAP, "--trials", "4", "--study-name", "from-profile", "--warm-start", "other.yaml",
+               "--warm-start", "hand.yaml", "--no-profile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--warm-start other.yaml: measured on tiny-sdxl, not tiny-sd15" in proc.stderr
+    trials = [t for t in optuna.load_study(study_name="from-profile", storage=url).trials if "config" in t.user_attrs]
+    keys = [config_key(t.user_attrs["config"]) for t in trials if "duplicate_of" not in t.user_attrs]
+    assert len(keys) == 4 and config_key(complete(other)) in keys
+    assert sum(t.user_attrs.get("warm_start", False) and config_key(t.user_attrs["config"]) == config_key(complete(hand))
+               for t in trials) == 1  # measured in the first run: not queued again
     line = one_line_error(cli(*CHEAP, "--warm-start", "nosuch"))
     assert "--warm-start nosuch: no such profile file, nor a study 'nosuch' in sqlite:///" in line
 
