@@ -595,14 +595,15 @@ def _write_profile(out, request, outcome, output: Path) -> int:
             return EXIT_ERROR
         # a trial stopped for memory records where it stopped: its peak was that at least
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
-        seen = (f"the smallest peak memory measured was {'at least ' if stopped_there else ''}"
+        below_guard = sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran)
+        judged = " of a config the quality guard passed" if below_guard and outcome.quality_guard else ""
+        seen = (f"the smallest peak memory measured{judged} was {'at least ' if stopped_there else ''}"
                 f"{format_size(smallest)}" if smallest else "no trial recorded its peak memory")
         if smallest and request.margin_bytes:
             # a fit is peak plus margin within the budget: a peak under the budget may still miss
             shown = format_size(request.margin_bytes)
             seen += f" plus the margin of {request.margin} ({shown})" if str(request.margin).endswith("%") \
                 else f" plus the margin of {shown}"
-        below_guard = sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran)
         if below_guard and outcome.quality_guard:
             seen += (f"; {below_guard} that fit in memory fell below the quality guard's "
                      f"{outcome.quality_guard['min_psnr_db']:g} dB (--min-psnr)")

@@ -173,9 +173,11 @@ class StudyOutcome:
     @property
     def smallest_peak_bytes(self) -> int | None:
         """The smallest peak of the configs that ran or ran out of memory (where an out-of-memory
-        one stopped); a trial that failed otherwise, at load say, says nothing of the memory."""
+        one stopped), of those the quality guard did not rule out: a trial that failed otherwise,
+        at load say, says nothing of the memory, and one below the guard cannot be picked."""
         peaks = [r.peak_memory_bytes for r in self.records
-                 if r.peak_memory_bytes and r.status in (worker.OK, worker.OUT_OF_MEMORY)]
+                 if r.peak_memory_bytes and r.status in (worker.OK, worker.OUT_OF_MEMORY)
+                 and r.violations.get("quality", 0) <= 0]
         return min(peaks) if peaks else None
 
 

@@ -866,8 +866,9 @@ def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_f
     code = cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml")
     err = capsys.readouterr().err
     assert code == cli_module.EXIT_NO_FIT
-    assert "smallest peak memory measured was 400.00 MiB; 1 that fit in memory fell below the quality guard's " \
-           "41.5 dB (--min-psnr)" in err
+    # the smallest peak of a config that could be picked: 400 MiB fits, and was ruled out for its output
+    assert "smallest peak memory measured of a config the quality guard passed was 900.00 MiB; 1 that fit in " \
+           "memory fell below the quality guard's 41.5 dB (--min-psnr)" in err
 
 
 @pytest.mark.slow
