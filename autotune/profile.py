@@ -281,14 +281,15 @@ class Profile:
 
     # ---- production ---------------------------------------------------------------------------
     def _target(self, device: str | None) -> Target:
-        device = device or self.data["machine"]["device"]
+        measured = self.data["machine"]["device"]
+        device = device or measured
         if not fingerprint.is_device_name(device):  # else torch's own error, deep in .to()
             raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not fingerprint.cuda_available():
-            raise ProfileError(
-                f"this profile was measured on {device}, and no CUDA GPU is usable here; "
-                "pass device='cpu' to load it anyway"
-            )
+            # whose choice the device was: the profile's, or the caller's (on a CPU profile too)
+            said = (f"this profile was measured on {device}, and" if device == measured else
+                    f"device {device!r} asked (the profile was measured on {measured}), but")
+            raise ProfileError(f"{said} no CUDA GPU is usable here; pass device='cpu' to load it anyway")
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
                       workload=self.workload)
 

@@ -135,6 +135,10 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
         profile.apply("x")
     with pytest.raises(ProfileError, match="device 'tpu': expected cpu, cuda or cuda:N"):  # was torch's RuntimeError
         profile.load_pipeline(device="tpu")
+    if not torch.cuda.is_available():  # a CPU profile, the GPU asked by the caller: said so, not "measured on cuda"
+        with pytest.raises(ProfileError, match=r"device 'cuda' asked \(the profile was measured on cpu\), but no "
+                                               "CUDA GPU is usable here"):
+            profile.load_pipeline(device="cuda")
 
 
 def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
