@@ -28,6 +28,7 @@ import psutil
 
 from . import worker
 from .measure import resident_bytes
+from .sizes import format_size
 
 LAUNCHERS = ("fork", "spawn")
 
@@ -181,8 +182,8 @@ def run_trial(
                               f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
                               "out-of-memory killer")
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
-                return killed(worker.OUT_OF_MEMORY, f"the trial held {held // 2**20} MiB, past "
-                              f"{stop_above_bytes // 2**20} MiB: stopped, as it cannot fit the budget",
+                return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "
+                              f"({format_size(held)} when read): stopped, as it cannot fit the budget",
                               peak_memory_bytes=held)  # at least this much: it was still growing
             if tick and time.perf_counter() >= next_tick:
                 tick()

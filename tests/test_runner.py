@@ -89,7 +89,7 @@ def test_a_cpu_trial_past_its_memory_stop_is_stopped_as_out_of_memory(tmp_path):
     # 64 MiB: the child passes it while importing and building, long before its first call
     result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="fork", stop_above_bytes=64 * 2**20)
     assert result["status"] == worker.OUT_OF_MEMORY
-    assert "past 64 MiB: stopped, as it cannot fit the budget" in result["error"]
+    assert "resident memory passed 64.00 MiB (" in result["error"] and "stopped, as it cannot fit the budget" in result["error"]
     assert result["peak_memory_bytes"] > 64 * 2**20 and not trial_processes()
 
 
