@@ -386,6 +386,7 @@ def _tune(args, argv: list[str]) -> int:
     from dataclasses import replace
 
     from . import console, fingerprint
+    from .errors import AutotuneError
     from .knobs import Target
     from .models import FAMILIES, check_weights_here, resolve_model
     from .runner import default_launcher
@@ -435,6 +436,10 @@ def _tune(args, argv: list[str]) -> int:
     if args.list_knobs:
         console.print_space(space, target)
         return 0
+    if not space.dimensions:  # the baseline alone: a study would measure it and call it the best
+        dropped = "; ".join(map(str, space.dropped)) or "it holds none"
+        raise AutotuneError(f"search space {space.source}: no choice to search on this machine ({dropped}); "
+                            "see --list-knobs")
     check_weights_here(spec)
 
     machine = {**fingerprint.machine(measured_on), "device": device}

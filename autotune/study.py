@@ -663,7 +663,7 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
     seeds = space.seed_configs()
     guard = guard or {}
     fp32, bf16 = guard.get("float32_call_s"), guard.get("bfloat16_call_s")
-    if not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
+    if not seeds or not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
         return seeds, None
     slower = f"bfloat16 ran {bf16 / fp32:.1f}x slower than float32 in the reference calls (one call each)"
     busy = busy_cores(guard)

@@ -88,6 +88,14 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
     assert message in line
 
 
+def test_a_space_with_no_choice_left_here_is_one_line(cli, tmp_path):
+    # it measured the baseline alone (35 s on tiny-flux) and called it the best, without a word
+    (tmp_path / "s.yaml").write_text("knobs:\n  attention: [sliced]\n")
+    line = one_line_error(cli("--model", "tiny-flux", "--space", "s.yaml", "--trials", "1"))
+    assert ("search space s.yaml: no choice to search on this machine (attention=sliced: attention slicing is a "
+            "no-op for flux") in line
+
+
 @pytest.mark.parametrize("args", [
     ["--warm-start", "x@sqlite:///missing.db", "--trials", "1"],
     ["--warm-start", "x@journal:missing.db", "--trials", "1"],
