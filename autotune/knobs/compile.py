@@ -2,9 +2,8 @@
 
 `compile` is the knob that compiles; `compile_fullgraph`, `compile_regional` and `compile_vae` say
 how, and are read by it (their own apply does nothing). Each of those, `inductor_flags` and
-`compile_freezing`, only
-matters when `compile` is not "none" (knobs.CONFLICTS forbids them otherwise, so they never repeat
-the baseline). Compilation happens in place (nn.Module.compile), at the first call: the warm-up.
+`compile_freezing` only matter when `compile` is not "none" (knobs.CONFLICTS forbids them
+otherwise, so they never repeat the baseline). Compilation happens in place (nn.Module.compile), at the first call: the warm-up.
 
 torch.jit.trace, which the older diffusers guides used to trace the UNet, is not a choice: it is
 superseded by torch.compile. A traced module is frozen to one set of input shapes and Python control
