@@ -117,6 +117,11 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "freezing takes the weights as constants where they are when it compiles; offload hooks move them at each call"),
     ({"compile_freezing": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "freezing takes the weights as constants; layerwise casting keeps them in fp8 and casts them at each call"),
+    # Measured on this project's CPU (fullgraph: FailOnRecompileLimitHit), read in torch's dynamo
+    # (parameters guarded by identity when freezing, pytorch#128355): every block compiled again.
+    ({"compile_freezing": True, "compile_regional": True},
+     "freezing guards each block's weights by identity: the shared compiled block is compiled again for "
+     "every block, and past dynamo's recompile limit (8) the rest run uncompiled, or fail with fullgraph"),
     # where weights are quantized: offload and balanced placement keep them on the host until
     # the hooks move them, so quantize_ runs there
     ({"quantize": "int4wo", "offload": _HOOKS},
