@@ -598,12 +598,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
     if created:
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
     # On a study that exists too (a resume given --warm-start was silently left as it was): the
-    # configs it has not measured, run or queued yet.
-    known = [t.params or t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
+    # configs it has not measured, run or queued yet (Optuna compares the params).
     warm = space.fit(req.warm_start)
     for config in warm:
-        if space.params(config) not in known:
-            study.enqueue_trial(space.params(config), user_attrs={"warm_start": True})
+        study.enqueue_trial(space.params(config), user_attrs={"warm_start": True}, skip_if_exists=True)
 
     guard = study.user_attrs.get("quality_guard")
     # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
@@ -732,6 +730,9 @@ def tune(
         settled = set(done) | ruled_out()
         if len(done) >= req.trials:
             reason = f"{count(len(done), 'trial')} measured (--trials {req.trials})"
+            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            if waiting:  # a --warm-start given to a study that holds its trials: not lost, said
+                reason += f"; {count(len(waiting), 'queued config')} not measured: raise --trials to measure them"
             break
         if len(settled) >= n_configs:
             reason = (f"every one of the space's {n_configs} configurations is measured or known "

@@ -748,6 +748,13 @@ def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tm
     assert len(keys) == 4 and config_key(complete(other)) in keys
     assert sum(t.user_attrs.get("warm_start", False) and config_key(t.user_attrs["config"]) == config_key(complete(hand))
                for t in trials) == 1  # measured in the first run: not queued again
+    # a study that holds its --trials already: the new config waits, and the run says so
+    measured = {config_key(t.user_attrs["config"]) for t in trials}
+    third = next(c for c in ({"dtype": d, "channels_last": cl, "attention": a} for d in ("float32", "bfloat16")
+                             for cl in (False, True) for a in ("sdpa", "sliced")) if config_key(complete(c)) not in measured)
+    write_profile(tmp_path / "third.yaml", config=third)
+    proc = cli(*CHEAP, "--trials", "4", "--study-name", "from-profile", "--warm-start", "third.yaml", "--no-profile")
+    assert proc.returncode == 0 and "1 queued config not measured: raise --trials to measure them" in proc.stdout
     line = one_line_error(cli(*CHEAP, "--warm-start", "nosuch"))
     assert "--warm-start nosuch: no such profile file, nor a study 'nosuch' in sqlite:///" in line
 
