@@ -601,9 +601,11 @@ def _write_profile(out, request, outcome, output: Path) -> int:
         # a trial stopped for memory records where it stopped: its peak was that at least
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
         below_guard = sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran)
-        judged = " of a config the quality guard passed" if below_guard and outcome.quality_guard else ""
-        seen = (f"the smallest peak memory measured{judged} was {'at least ' if stopped_there else ''}"
-                f"{format_size(smallest)}" if smallest else "no trial recorded its peak memory")
+        # smallest_peak_bytes leaves out the configs the quality guard ruled out: said, when it did
+        judged = any(r.peak_memory_bytes and r.violations.get("quality", 0) > 0 for r in ran)
+        whose = "of a config the quality guard passed" if judged else "measured"
+        seen = (f"the smallest peak memory {whose} was {'at least ' if stopped_there else ''}{format_size(smallest)}"
+                if smallest else f"no {'config the quality guard passed' if judged else 'trial'} recorded its peak memory")
         if smallest and request.margin_bytes:
             # a fit is peak plus margin within the budget: a peak under the budget may still miss
             shown = format_size(request.margin_bytes)

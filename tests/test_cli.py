@@ -882,8 +882,12 @@ def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_f
     err = capsys.readouterr().err
     assert code == cli_module.EXIT_NO_FIT
     # the smallest peak of a config that could be picked: 400 MiB fits, and was ruled out for its output
-    assert "smallest peak memory measured of a config the quality guard passed was 900.00 MiB; 1 that fit in " \
+    assert "smallest peak memory of a config the quality guard passed was 900.00 MiB; 1 that fit in " \
            "memory fell below the quality guard's 41.5 dB (--min-psnr)" in err
+    # a smaller config below the guard that does not fit either: still not the smallest named
+    noisy.result["peak_memory_bytes"], noisy.violations["memory"] = 620 * 2**20, 0.03
+    cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml")
+    assert "the smallest peak memory of a config the quality guard passed was 900.00 MiB;" in capsys.readouterr().err
 
 
 @pytest.mark.slow
