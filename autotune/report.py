@@ -161,10 +161,12 @@ def trial_class(frozen) -> str | None:
     """How a trial ended, for the timeline; None for one still running or waiting."""
     from optuna.trial import TrialState
 
-    from .study import CONFIRMER
+    from .study import CONFIRMER, WITHDRAWN
 
-    if CONFIRMER in frozen.user_attrs:
-        return "confirming"  # a worker's claim on the confirmation phase: from its start to its end
+    if CONFIRMER in frozen.user_attrs:  # a worker's claim on the confirmation phase: start to end
+        return None if frozen.user_attrs.get(WITHDRAWN) else "confirming"
+    if frozen.user_attrs.get("duplicate_of_running") is not None:
+        return "duplicate"  # of a config another worker was measuring: told FAIL, measured nothing
     if frozen.state == TrialState.PRUNED:
         return "forbidden"
     if frozen.state == TrialState.FAIL:
@@ -199,10 +201,17 @@ def _timeline(trials) -> list[Span]:
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
         end, cut = t.datetime_complete, False
-        if kind == "interrupted":  # (a confirming claim's heartbeat_at is only its start on an RDB storage)
+        if kind == "interrupted" or kind == "confirming" and _beat_since_start(t):
             end, cut = _stale_end(t, retried, starts)
         spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(), (end - t0).total_seconds(), kind, cut))
     return spans
+
+
+def _beat_since_start(t) -> bool:
+    """Whether a trial's heartbeat_at moved after its start: a journal storage's confirming claim
+    beats there (an RDB storage's beats in Optuna's own table, and heartbeat_at stays its start)."""
+    beat = t.user_attrs.get("heartbeat_at")
+    return beat is not None and beat > t.datetime_start.timestamp() + 1
 
 
 def _stale_end(t, retried: set, starts: list[datetime]) -> tuple[datetime, bool]:

@@ -1012,6 +1012,7 @@ def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, in
 
 
 CONFIRMER = "confirmer"  # user attr of the trial that holds a shared study's confirmation phase
+WITHDRAWN = "withdrawn"  # user attr of a claim that lost the race to another worker's
 
 
 def _confirmers(study: optuna.Study) -> list[int]:
@@ -1039,6 +1040,7 @@ def _claim_confirmation(study: optuna.Study) -> optuna.Trial | None:
     _heartbeat(storage, trial)  # RDB storages: their own heartbeat table
     trial.set_user_attr(PROCESS, storages.this_process(trial.number))
     if _confirmers(study)[0] != trial.number:
+        trial.set_user_attr(WITHDRAWN, True)  # never held the phase: no bar on a report's timeline
         study.tell(trial, state=TrialState.FAIL)
         return None
     return trial

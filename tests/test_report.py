@@ -314,10 +314,22 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
                                       user_attrs={"confirmer": "host:1", "heartbeat_at": (t0 + timedelta(seconds=41)).timestamp()})
     claim.datetime_start, claim.datetime_complete = t0 + timedelta(seconds=41), t0 + timedelta(seconds=60)
     study.add_trial(claim)
+    # a claim that lost the race to another worker's: it never held the phase
+    lost = optuna.trial.create_trial(params={}, distributions={}, state=TrialState.FAIL,
+                                     user_attrs={"confirmer": "host:2", "withdrawn": True,
+                                                 "heartbeat_at": (t0 + timedelta(seconds=41)).timestamp()})
+    lost.datetime_start = lost.datetime_complete = t0 + timedelta(seconds=41)
+    study.add_trial(lost)
+    # a duplicate of a config another worker was measuring (told FAIL): not a failed trial
+    twin = optuna.trial.create_trial(params={"dtype": "bfloat16"}, distributions=study.trials[1].distributions,
+                                     state=TrialState.FAIL, user_attrs={"duplicate_of_running": 1})
+    twin.datetime_start = twin.datetime_complete = t0 + timedelta(seconds=12)
+    study.add_trial(twin)
     (data,) = report.load(f"synthetic@{url}")
-    assert [(sp.kind, sp.start_s, sp.end_s) for sp in data.timeline][-1] == ("confirming", 41.0, 60.0)
+    spans = {sp.trial: (sp.kind, sp.start_s, sp.end_s) for sp in data.timeline}
+    assert spans[4] == ("confirming", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
     fig = report.plot_timeline([data])
-    assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 5 trials
+    assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 6 trials, 2 failed
     assert "confirming (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
@@ -361,6 +373,29 @@ def test_best_vs_budget_keeps_a_narrow_front_readable():
     assert [t for t in ax.get_yticklabels() if t.get_text()] and not ax.yaxis.get_offset_text().get_text()
     (label,) = ax.texts
     assert fig.bbox.contains(*label.get_window_extent(renderer).p1)
+
+
+def test_a_killed_confirmers_bar_ends_at_its_last_heartbeat_on_a_journal(tmp_path):
+    # its claim beats in heartbeat_at there; failed as stale an hour later, the bar ran to then
+    from autotune import report
+    from autotune.storages import open_storage
+
+    url = f"journal:{tmp_path / 'j.log'}"
+    study = optuna.create_study(study_name="j", storage=open_storage(url))
+    study.set_user_attr("request", REQUEST)
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    t0 = datetime(2026, 1, 1, 12)
+    trial = optuna.trial.create_trial(params={"dtype": "float32"}, distributions=dist, value=1.0,
+                                      user_attrs={"config": {"dtype": "float32"}, "violation": -1.0,
+                                                  "result": {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 2**20}})
+    trial.datetime_start, trial.datetime_complete = t0, t0 + timedelta(seconds=5)
+    claim = optuna.trial.create_trial(params={}, distributions={}, state=TrialState.FAIL,
+                                      user_attrs={"confirmer": "host:1", "heartbeat_at": (t0 + timedelta(seconds=50)).timestamp()})
+    claim.datetime_start, claim.datetime_complete = t0 + timedelta(seconds=6), t0 + timedelta(seconds=3600)
+    for t in (trial, claim):
+        study.add_trial(t)
+    (data,) = report.load(f"j@{url}")
+    assert [(sp.kind, sp.end_s) for sp in data.timeline if sp.kind == "confirming"] == [("confirming", 50.0)]
 
 
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
