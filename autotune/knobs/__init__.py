@@ -138,11 +138,11 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # Inferred from diffusers 0.42.1's code for a failure of the GPU pair test on an H100 (an SDXL
     # VAE decode with "mixed dtype"): the pinned host copies are keyed by parameter and made once,
     # and `.to(dtype)` converts the parameters in place, so the copies keep the old dtype.
-    # (-lowmem pins as it moves, from the parameters as they are then: not seen on a GPU, kept with them)
+    # (-lowmem makes the same copies at set-up and only pins them as it moves: the same mechanism)
     ({"dtype": "float16", "vae_fp16_fix": False, "offload": _STREAMED,
       "family": ["sdxl"]},
      "SDXL upcasts its float16 VAE with .to(float32) for each decode; group offload with streams onloads "
-     "the float16 host copies it pinned when it was set up, so the decode mixes dtypes"),
+     "the float16 host copies it made when it was set up, so the decode mixes dtypes"),
 )
 
 Config = dict[str, Any]

@@ -68,10 +68,10 @@ VAE_TILING = Knob(
 _OFFLOADS = {"model": "enable_model_cpu_offload", "sequential": "enable_sequential_cpu_offload"}
 # Group offload (`pipe.enable_group_offload`, every component): block_level moves N top-level
 # blocks at a time, leaf_level one leaf module at a time. "-stream" prefetches the next group on a
-# CUDA stream while this one computes (record_stream too: faster, slightly more memory); it pins a
-# host copy of every weight when it is set up, which a host with less free memory than the model
-# cannot give. "-lowmem" (low_cpu_mem_usage) pins each group's weights as they are moved instead:
-# slower per step, but host memory is not held twice, and the stream kind fits a smaller host.
+# CUDA stream while this one computes (record_stream too: faster, slightly more memory); it keeps
+# a pinned (page-locked) host copy of every weight from set-up on. "-lowmem" (low_cpu_mem_usage)
+# pins each group's copy only while it moves: slower per step, and no page-locked memory the size
+# of the model, which a host short of memory (or a container's locked-memory limit) cannot give.
 _GROUPS = {
     "group-block-1": dict(offload_type="block_level", num_blocks_per_group=1),
     "group-block-2": dict(offload_type="block_level", num_blocks_per_group=2),
