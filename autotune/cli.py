@@ -437,9 +437,10 @@ def _tune(args, argv: list[str]) -> int:
         console.print_space(space, target)
         return 0
     if not space.dimensions:  # the baseline alone: a study would measure it and call it the best
-        dropped = "; ".join(map(str, space.dropped)) or "it holds none"
-        raise AutotuneError(f"search space {space.source}: no choice to search on this machine ({dropped}); "
-                            "see --list-knobs")
+        if not space.dropped:
+            raise AutotuneError(f"search space {space.source}: it lists no choice beyond the baseline's")
+        raise AutotuneError(f"search space {space.source}: no choice to search on this machine "
+                            f"({'; '.join(map(str, space.dropped))}); see --list-knobs")
     check_weights_here(spec)
 
     machine = {**fingerprint.machine(measured_on), "device": device}

@@ -65,7 +65,7 @@ def print_space(space, target, out: Console | None = None) -> None:
     for name, knob in CATALOGUE.items():
         dim = searched.get(name)
         # why a knob is not searched: the space leaves it out, or this machine cannot run its choices
-        why = "its other choices dropped, below" if name in dropped else f"not in {Path(space.source).name}"
+        why = "its other choices dropped, below" if name in dropped else f"not searched in {Path(space.source).name}"
         text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default} ({why})"
         if dim and dim.when:
             text += f"  (when {_when_text(dim.when)})"
@@ -304,8 +304,8 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)
     if result.get("status") == "ok" and _busy_note(result):  # as a trial's line says it
-        out.print(f"warning: replayed{_busy_note(result)}: its latency says as much of them as of the "
-                  "profile; verify again when they are done")
+        out.print(f"warning: replayed{_busy_note(result)}: the replayed latency reflects their load as "
+                  "much as the profile's settings; verify again when they are done")
     if fits is None:
         return
     peak = result.get("peak_memory_bytes") or 0

@@ -287,9 +287,11 @@ class Profile:
             raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not fingerprint.cuda_available():
             # whose choice the device was: the profile's, or the caller's (on a CPU profile too)
-            said = (f"this profile was measured on {device}, and" if device == measured else
-                    f"device {device!r} asked (the profile was measured on {measured}), but")
-            raise ProfileError(f"{said} no CUDA GPU is usable here; pass device='cpu' to load it anyway")
+            if device == measured:
+                raise ProfileError(f"this profile was measured on {device}, and no CUDA GPU is usable here; "
+                                   "pass device='cpu' to load it anyway")
+            raise ProfileError(f"device={device!r} was asked for (the profile was measured on {measured}), but no "
+                               f"CUDA GPU is usable here; leave device out or pass device={measured!r}")
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
                       workload=self.workload)
 

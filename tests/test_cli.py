@@ -94,6 +94,9 @@ def test_a_space_with_no_choice_left_here_is_one_line(cli, tmp_path):
     line = one_line_error(cli("--model", "tiny-flux", "--space", "s.yaml", "--trials", "1"))
     assert ("search space s.yaml: no choice to search on this machine (attention=sliced: attention slicing is a "
             "no-op for flux") in line
+    (tmp_path / "base.yaml").write_text("knobs:\n  dtype: [float32]\n")  # the baseline's choices alone
+    line = one_line_error(cli("--model", "tiny-flux", "--space", "base.yaml", "--trials", "1"))
+    assert line.endswith("search space base.yaml: it lists no choice beyond the baseline's")
 
 
 @pytest.mark.parametrize("args", [

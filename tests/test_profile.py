@@ -136,8 +136,8 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     with pytest.raises(ProfileError, match="device 'tpu': expected cpu, cuda or cuda:N"):  # was torch's RuntimeError
         profile.load_pipeline(device="tpu")
     if not torch.cuda.is_available():  # a CPU profile, the GPU asked by the caller: said so, not "measured on cuda"
-        with pytest.raises(ProfileError, match=r"device 'cuda' asked \(the profile was measured on cpu\), but no "
-                                               "CUDA GPU is usable here"):
+        with pytest.raises(ProfileError, match=r"device='cuda' was asked for \(the profile was measured on cpu\), "
+                                               "but no CUDA GPU is usable here; leave device out"):
             profile.load_pipeline(device="cuda")
 
 

@@ -345,6 +345,6 @@ def test_the_listing_says_why_a_knob_is_not_searched():
     out = Console(width=200, record=True)
     print_space(SearchSpace.from_file(SHIPPED_DIR / "tiny-flux.yaml").restrict(target), target, out)
     text = out.export_text()
-    assert re.search(r"│ cache +│ fixed at none \(not in tiny-flux\.yaml\) +│", text)
+    assert re.search(r"│ cache +│ fixed at none \(not searched in tiny-flux\.yaml\) +│", text)
     assert re.search(r"│ offload +│ fixed at none \(its other choices dropped, below\) +│", text)
     assert "offload=model: CPU offload needs an accelerator" in text
