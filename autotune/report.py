@@ -671,13 +671,13 @@ def _latency_axis(ax, latencies: list[float], label: str) -> None:
         ax.yaxis.set_minor_formatter(FuncFormatter(
             lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else ""))
     ax.set_ylabel(label + (", log scale" if log else ""))
+    if not log:
+        _at_least_a_tenth(ax)
 
 
 def _at_least_a_tenth(ax) -> None:
-    """A linear latency axis spanning at least 10% of its values: two latencies 0.03 ms apart were
-    drawn a full axis apart, under tick labels written as an offset (+9.23e-2)."""
-    if ax.get_yscale() != "linear":
-        return
+    """A linear latency axis (drawn already) spanning at least 10% of its values: two latencies
+    0.03 ms apart were drawn a full axis apart, under tick labels written as an offset (+9.23e-2)."""
     low, high = ax.get_ylim()
     if low > 0 and high < 1.1 * low:
         middle = (low + high) / 2
@@ -736,7 +736,6 @@ def plot_best_vs_budget(studies: list[StudyData]):
                         color=color, ha="right" if right_half else "left")
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
-    _at_least_a_tenth(ax)
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn

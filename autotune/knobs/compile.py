@@ -1,4 +1,4 @@
-"""torch.compile: the mode, fullgraph, regional compilation, the VAE decoder, inductor flags, freezing.
+"""torch.compile: the mode, fullgraph, regional compilation, the VAE decoder, inductor settings.
 
 `compile` is the knob that compiles; `compile_fullgraph`, `compile_regional` and `compile_vae` say
 how, and are read by it (their own apply does nothing). Each of those, `inductor_flags` and
@@ -116,9 +116,14 @@ _GUIDE_FLAGS = {
 _INT8_FLAGS = {"force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}  # with dynamic int8
 
 
-def _read_inductor_flags() -> dict:
-    from torch._inductor import config as inductor
+def _inductor_config():
+    from torch._inductor import config  # here: inductor is slow to import, and only compiling needs it
 
+    return config
+
+
+def _read_inductor_flags() -> dict:
+    inductor = _inductor_config()
     # flags come and go between torch releases: those this torch has
     return {name: getattr(inductor, name) for name in {**_GUIDE_FLAGS, **_INT8_FLAGS} if hasattr(inductor, name)}
 
@@ -129,8 +134,7 @@ _INDUCTOR_FLAGS = ProcessSettings(_read_inductor_flags)
 def _apply_inductor_flags(pipe, value, target, config):
     if not value and not _INDUCTOR_FLAGS.touched:
         return  # none set by autotune in this process: nothing to put back (inductor not imported)
-    from torch._inductor import config as inductor
-
+    inductor = _inductor_config()
     before = _INDUCTOR_FLAGS.before()
     flags = dict(before)
     if value:
@@ -159,12 +163,6 @@ INDUCTOR_FLAGS = Knob(
 # against 1.24-1.39 s without it, at a peak of 4.35 GiB against 3.36 GiB (alternate trials).
 # Process-global, set by both choices as inductor_flags is.
 _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})
-
-
-def _inductor_config():
-    from torch._inductor import config
-
-    return config
 
 
 def _apply_freezing(pipe, value, target, config):
