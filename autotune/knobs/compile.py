@@ -161,7 +161,8 @@ INDUCTOR_FLAGS = Knob(
 # weights are held twice where they are transformed: on the 2-core CPU here, SD1.5 (random
 # weights) in bfloat16 at 128x128 with channels_last and compile=default ran in 0.71-0.74 s
 # against 1.24-1.39 s without it, at a peak of 4.35 GiB against 3.36 GiB (alternate trials).
-# Process-global, set by both choices as inductor_flags is.
+# The weights are then fixed: a change made in place after the first call (a LoRA fused into
+# them) is not seen (pytorch#103990). Process-global, set by both choices as inductor_flags is.
 _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})
 
 
