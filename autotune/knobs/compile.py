@@ -159,8 +159,10 @@ INDUCTOR_FLAGS = Knob(
 # them alone, and (on the CPU) prepacks them for oneDNN's kernels. For inference only: the pipeline
 # calls the denoiser under no_grad, as freezing needs. The originals stay on the module, so the
 # weights are held twice where they are transformed: on the 2-core CPU here, SD1.5 (random
-# weights) in bfloat16 at 128x128 with channels_last and compile=default ran in 0.71-0.74 s
-# against 1.24-1.39 s without it, at a peak of 4.35 GiB against 3.36 GiB (alternate trials).
+# weights) in bfloat16 at 128x128 with channels_last and compile=default ran in 0.71 and 0.74 s
+# in two rounds of alternate trials against 1.39 and 3.10 s without it (the 3.10 beside other
+# work), and in a third 1.49 s against 1.24 s, with a test run beside the frozen trial; at a peak
+# of 4.35 GiB against 3.36 GiB.
 # The weights are then fixed: a change made in place after the first call (a LoRA fused into
 # them) is not seen (pytorch#103990). Process-global, set by both choices as inductor_flags is.
 _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})
