@@ -628,7 +628,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
         # `finally`, because a study created here and interrupted in its calibration would never get
         # them: the next run finds the study existing.
         if created:
-            seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes)
+            seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
             keys = {config_key(c) for c in warm}
             for config in seeds:
                 if config_key(config) not in keys:
@@ -652,13 +652,17 @@ CUT_SLOWER_THAN = 2.0
 SLOW_BFLOAT16 = 1.2
 
 
-def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> tuple[list[Config], str | None]:
+def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int,
+                  cpu: bool = False) -> tuple[list[Config], str | None]:
     """The space's seeds for this machine, and a note when they were changed. The shipped seeds
     are in bfloat16, the fast precision on current GPUs; where the calibration measured bfloat16
     clearly slower than float32, and float32 fits the budget (`usable_bytes`: the budget less the
     margin), the seeds keep their other settings in float32 instead. Where float32 does not fit,
-    half precision is what makes a config fit at all: the seeds stay in bfloat16."""
+    half precision is what makes a config fit at all: the seeds stay in bfloat16. On a CPU
+    (`cpu`), the compiled seeds freeze the weights where the space allows it (`_frozen_on_cpu`)."""
     seeds = space.seed_configs()
+    if cpu:
+        seeds = space.fit([_frozen_on_cpu(space, s) for s in seeds])
     guard = guard or {}
     fp32, bf16 = guard.get("float32_call_s"), guard.get("bfloat16_call_s")
     if not seeds or not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
@@ -674,6 +678,16 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int) -> 
         return seeds, f"{slower}, but float32 does not fit the budget: the seeds stay in bfloat16"
     note = f"{slower}: the seeds keep their other settings in float32"
     return space.fit([{**s, "dtype": "float32"} if s.get("dtype") == "bfloat16" else s for s in seeds]), note
+
+
+def _frozen_on_cpu(space: SearchSpace, seed: Config) -> Config:
+    """A compiled seed with inductor's freezing, where the space searches it and allows it there:
+    on a CPU, freezing is what lets inductor prepack the weights for oneDNN's kernels, and the
+    compiled stack ran 1.9x faster with it on this project's 2-core CPU (knobs/compile.py)."""
+    if seed.get("compile", "none") == "none" or True not in space.choices_of("compile_freezing"):
+        return seed
+    frozen = {**seed, "compile_freezing": True}
+    return frozen if space.fit([frozen]) else seed  # not where a rule forbids it (regional compile)
 
 
 def _in_flight(study: optuna.Study, besides: int | None = None) -> dict[str, int]:

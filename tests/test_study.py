@@ -241,6 +241,20 @@ def test_seeds_keep_their_settings_in_float32_where_bfloat16_ran_slow(tmp_path):
     assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
 
 
+@pytest.mark.parametrize("family", ["sd15", "flux"])
+def test_on_a_cpu_the_compiled_seed_freezes_its_weights_where_the_space_allows_it(family):
+    from autotune.knobs import conflict
+    from autotune.space import SHIPPED_DIR
+
+    space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(Target("cpu", family))
+    compiled = [s for s in study.machine_seeds(space, None, 2**40, cpu=True)[0] if s["compile"] != "none"]
+    assert compiled and all(conflict(s) is None for s in compiled)
+    # sd15's compiled seed compiles the whole UNet: frozen; flux's compiles its blocks, which freezing excludes
+    assert [s["compile_freezing"] for s in compiled] == [family == "sd15"]
+    on_a_gpu = [s for s in study.machine_seeds(space, None, 2**40)[0] if s["compile"] != "none"]
+    assert not any(s["compile_freezing"] for s in on_a_gpu)
+
+
 def test_without_the_quality_guard_the_seeds_still_follow_the_fast_precision(tmp_path):
     # --min-psnr 0: no reference to compare with, but the float32 and bfloat16 calls are made
     # for their times, and the seeds follow them as with the guard.
