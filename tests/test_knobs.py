@@ -203,7 +203,8 @@ def test_sdxl_float16_with_streamed_group_offload_is_forbidden_unless_its_vae_is
     from autotune.knobs import complete, conflict
 
     streamed = complete({"dtype": "float16", "offload": "group-leaf-stream"})
-    assert "pinned" in conflict(streamed, "sdxl")
+    assert "host copies it made when it was set up" in conflict(streamed, "sdxl")
+    assert conflict({**streamed, "offload": "group-leaf-stream-lowmem"}, "sdxl")  # the same copies, pinned later
     assert conflict({**streamed, "vae_fp16_fix": True}, "sdxl") is None  # the fp16-fix VAE is not upcast
     assert conflict(streamed, "sd15") is None and conflict({**streamed, "dtype": "bfloat16"}, "sdxl") is None
 
