@@ -249,8 +249,9 @@ def test_on_a_cpu_the_compiled_seed_freezes_its_weights_where_the_space_allows_i
     space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(Target("cpu", family))
     compiled = [s for s in study.machine_seeds(space, None, 2**40, cpu=True)[0] if s["compile"] != "none"]
     assert compiled and all(conflict(s) is None for s in compiled)
-    # sd15's compiled seed compiles the whole UNet: frozen; flux's compiles its blocks, which freezing excludes
-    assert [s["compile_freezing"] for s in compiled] == [family == "sd15"]
+    # sd15's compiled seed compiles the whole UNet: frozen first, then as it is (the frozen one holds
+    # more memory); flux's compiles its blocks, which freezing excludes
+    assert [s["compile_freezing"] for s in compiled] == ([True, False] if family == "sd15" else [False])
     on_a_gpu = [s for s in study.machine_seeds(space, None, 2**40)[0] if s["compile"] != "none"]
     assert not any(s["compile_freezing"] for s in on_a_gpu)
 
