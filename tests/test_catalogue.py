@@ -60,14 +60,19 @@ def small_call(pipe, steps=1, size=32):
     return out.images
 
 
+def _registries(model) -> list:
+    """The diffusers hook registries anywhere in a model."""
+    return [r for r in (getattr(m, "_diffusers_hook", None) for m in model.modules()) if r is not None]
+
+
 def hooks_of(model) -> set:
     """Names of the diffusers hooks registered anywhere in a model."""
-    names = set()
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is not None:
-            names.update(registry.hooks)
-    return names
+    return {name for registry in _registries(model) for name in registry.hooks}
+
+
+def hooks_named(model, name: str) -> list:
+    """The diffusers hooks called `name` anywhere in a model."""
+    return [h for h in (r.get_hook(name) for r in _registries(model)) if h is not None]
 
 
 def reason(knob, value, target):

@@ -20,7 +20,7 @@ from autotune.knobs.precision import DTYPES
 from autotune.models import build_pipeline, resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
 from autotune.workload import Workload
-from test_catalogue import allowed_pairs, by_rest, compile_variant_problem, hooks_of, key
+from test_catalogue import allowed_pairs, by_rest, compile_variant_problem, hooks_named, hooks_of, key
 
 
 def target(family, steps=2):
@@ -106,20 +106,13 @@ def test_flux_dispatcher_backends(backend):
     assert len(pinned) == 1 and None not in pinned  # on the processors, not the process default
 
 
-def offload_settings(model, name: str) -> set:
-    """The values of setting `name` (a GroupOffloadingConfig field) that diffusers' group-offloading
-    hooks on `model` were set up with."""
-    hooks = [m._diffusers_hook.get_hook("group_offloading") for m in model.modules()
-             if getattr(m, "_diffusers_hook", None) is not None]
-    return {getattr(h.config, name) for h in hooks if h is not None}
-
-
 @pytest.mark.parametrize("kind", ["group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
                                   "group-leaf-stream", "group-leaf-stream-lowmem"])
 def test_group_offload_keeps_weights_on_the_host(kind):
     pipe = run({"dtype": "bfloat16", "offload": kind})
     assert "group_offloading" in hooks_of(pipe.unet)
-    assert offload_settings(pipe.unet, "low_cpu_mem_usage") == {kind.endswith("-lowmem")}
+    # the GroupOffloadingConfig each hook was set up with
+    assert {h.config.low_cpu_mem_usage for h in hooks_named(pipe.unet, "group_offloading")} == {kind.endswith("-lowmem")}
     if "stream" not in kind:  # streamed groups keep pinned host copies; the plain ones go back
         assert next(pipe.unet.parameters()).device.type == "cpu"
 
