@@ -142,12 +142,14 @@ def run_trial(
     tick_every_s: float = 1.0,
     launcher: str = "spawn",
     stop_above_bytes: int | None = None,
+    stop_above_is: str = "",
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
     (heartbeats, progress). On KeyboardInterrupt the child's process group is killed first.
     `stop_above_bytes`: a trial whose resident memory passes it is stopped as out_of_memory (on a
-    CPU, where the budget is host memory, a config far over it cannot fit whatever its speed)."""
+    CPU, where the budget is host memory, a config far over it cannot fit whatever its speed);
+    `stop_above_is` says what that bound is, for the message ("twice the 2.00 GiB budget")."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, log_path = (
         workdir / "request.json",
@@ -182,8 +184,9 @@ def run_trial(
                               f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
                               "out-of-memory killer")
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
+                what = f"{stop_above_is}; " if stop_above_is else ""
                 return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "
-                              f"({format_size(held)} when read): stopped, as it cannot fit the budget",
+                              f"({what}{format_size(held)} when read): stopped, as it cannot fit the budget",
                               peak_memory_bytes=held)  # at least this much: it was still growing
             if tick and time.perf_counter() >= next_tick:
                 tick()
