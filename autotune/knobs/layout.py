@@ -72,7 +72,7 @@ CHANNELS_LAST = Knob(
     name="channels_last",
     choices=(False, True),
     default=False,
-    help="NHWC memory format for the UNet and the VAE convolutions",
+    help="NHWC memory format for the convolutions (a UNet's and the VAE's)",
     apply=_apply_channels_last,
 )
 
