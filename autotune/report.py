@@ -690,6 +690,28 @@ def _legend_beside(ax) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
+def _annotate_apart(fig, ax, labels: list[tuple]) -> None:
+    """Write each (text, xy, leftwards, color) label beside its point, raised a line at a time
+    while it would cover one written before: studies of equal budgets and close latencies wrote
+    theirs on top of each other. (adjustText does this for many labels, by iteration and with a
+    dependency; a handful stacked in order needs neither.)"""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = (fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)).get_renderer()
+    written = []
+    for text, xy, leftwards, color in labels:
+        rise = 5
+        while True:
+            label = ax.annotate(text, xy, xytext=(-5 if leftwards else 5, rise), textcoords="offset points",
+                                fontsize=8, color=color, ha="right" if leftwards else "left")
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in written) or rise > 5 + 10 * len(labels):
+                break
+            label.remove()
+            rise += 10  # a line of 8-point text and a little space
+        written.append(box)
+
+
 def plot_best_vs_budget(studies: list[StudyData]):
     """The best latency each study measured for any budget: solid within the study's budget,
     dotted beyond it (over-budget measurements: what more memory would buy). A dot marks the
@@ -707,6 +729,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     edge = max([1.05 * top, *shown])
     unit, scale = memory_unit([edge])
     drawn: list[float] = []  # the latencies on the chart: they choose its scale
+    labels: list[tuple] = []  # the budget dots' labels: written once the scale is known
     for s, color in zip(studies, _colors(len(studies))):
         if s.front:
             right = min(s.budget_bytes or edge, edge)
@@ -730,12 +753,11 @@ def plot_best_vs_budget(studies: list[StudyData]):
                     gid=f"at-budget:{s.label}")
             drawn.append(s.best.latency_s)
             speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
-            right_half = s.budget_bytes > edge / 2  # written leftwards there: past the edge it was cut
-            ax.annotate(f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
-                        xytext=(-5 if right_half else 5, 5), textcoords="offset points", fontsize=8,
-                        color=color, ha="right" if right_half else "left")
+            labels.append((f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
+                           s.budget_bytes > edge / 2, color))  # leftwards right of the middle: not cut off
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
+    _annotate_apart(fig, ax, labels)
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn

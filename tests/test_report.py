@@ -375,6 +375,27 @@ def test_best_vs_budget_keeps_a_narrow_front_readable():
     assert fig.bbox.contains(*label.get_window_extent(renderer).p1)
 
 
+def test_budget_labels_of_studies_with_one_budget_and_close_latencies_do_not_cover_each_other():
+    # two machines tuned at one budget, bests 1 ms apart: their labels were written on one spot
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from autotune import report
+
+    MiB = 2**20
+    studies = []
+    for label, latency in (("a10", 0.500), ("l4", 0.501), ("t4", 0.502)):
+        base = report.Point(0, {}, 1.0, 900 * MiB, baseline=True)
+        best = report.Point(1, {"dtype": "bfloat16"}, latency, 600 * MiB)
+        studies.append(report.StudyData(label=label, name=label, storage=None, model={}, workload={}, device="cpu",
+                                         budget_bytes=1024 * MiB, margin_bytes=50 * MiB, points=[base, best],
+                                         front=[best], best=best, baseline=base))
+    fig = report.plot_best_vs_budget(studies)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    assert len(boxes) == 3
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
 def test_a_killed_confirmers_bar_ends_at_its_last_heartbeat_on_a_journal(tmp_path):
     # its claim beats in heartbeat_at there; failed as stale an hour later, the bar ran to then
     from autotune import report
