@@ -15,11 +15,19 @@ in a row in this one process: the spread of the medians of consecutive blocks of
 what time scale the machine's speed moves.
 
     python benchmarks/measurement_stability.py --series 100
+
+Each trial's peak memory (its process's peak RSS on a CPU) is reported beside its median, with
+their spread. `--malloc-mmap-threshold BYTES` runs the trials with glibc's mmap threshold fixed
+(MALLOC_MMAP_THRESHOLD_), which turns off glibc's adjustment of it as the process frees memory:
+the test of whether that adjustment is what moves the peak from one trial to the next.
+
+    python benchmarks/measurement_stability.py --model tiny-flux --trials 5 --configs baseline --malloc-mmap-threshold 131072
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -88,13 +96,18 @@ def main() -> None:
                         help="time the first configuration in this process too, before each trial")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="which configurations to measure (default: all)")
+    parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                        help="fix glibc's mmap threshold in the trials (MALLOC_MMAP_THRESHOLD_); default: glibc's own")
     args = parser.parse_args()
+    if args.malloc_mmap_threshold:  # before the first trial starts the fork server, which passes it on
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
 
     spec = resolve_model(args.model)
     configs = {name: CONFIGS[name] for name in args.configs}
     if args.series:
         return series(spec, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
+    peaks: dict[str, list[int]] = {name: [] for name in configs}
     calls: dict[str, list[int]] = {name: [] for name in configs}
     busy: dict[str, list[float]] = {name: [] for name in configs}  # the trials' cores others took
     probes: list[float] = []
@@ -111,24 +124,27 @@ def main() -> None:
                 result = runner.run_trial(request, Path(tmp) / f"{name}-{i}", 900, launcher="fork")
                 assert result["status"] == "ok", result
                 medians[name].append(result["latency_s"])
+                peaks[name].append(result["peak_memory_bytes"])
                 calls[name].append(result["calls"])
                 busy[name].append(result["cores_taken_by_others"])
 
-    print(f"{args.model} on cpu, {args.threads} threads, {args.trials} separate trials per configuration")
+    def spread_of(values) -> str:
+        return f"{(max(values) - min(values)) / statistics.median(values):.1%}"
+
+    threshold = f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""
+    print(f"{args.model} on cpu, {args.threads} threads{threshold}, {args.trials} separate trials per configuration")
     print("| configuration | trial medians (s) | timed calls per trial | cores taken by other processes while timed "
-          "| spread of medians |")
-    print("|---|---|---|---|---|")
+          "| spread of medians | peak memory per trial (MiB) | spread of peaks |")
+    print("|---|---|---|---|---|---|---|")
     for name, values in medians.items():
-        spread = (max(values) - min(values)) / statistics.median(values)
         print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | "
-              f"{', '.join(map(str, calls[name]))} | {', '.join(f'{v:.2f}' for v in busy[name])} | {spread:.1%} |")
-    spread = (max(probes) - min(probes)) / statistics.median(probes)
+              f"{', '.join(map(str, calls[name]))} | {', '.join(f'{v:.2f}' for v in busy[name])} | {spread_of(values)} | "
+              f"{', '.join(f'{v / 2**20:.1f}' for v in peaks[name])} | {spread_of(peaks[name])} |")
     print(f"| (machine probe: fixed bf16 matmul loop before each trial) | "
-          f"{', '.join(f'{v:.3f}' for v in probes)} | - | - | {spread:.1%} |")
+          f"{', '.join(f'{v:.3f}' for v in probes)} | - | - | {spread_of(probes)} | - | - |")
     if control:
-        spread = (max(control) - min(control)) / statistics.median(control)
         print(f"| (control: {next(iter(configs))} in one long-lived process, 5 calls before each trial) | "
-              f"{', '.join(f'{v:.3f}' for v in control)} | 5 each | - | {spread:.1%} |")
+              f"{', '.join(f'{v:.3f}' for v in control)} | 5 each | - | {spread_of(control)} | - | - |")
 
 
 if __name__ == "__main__":
