@@ -115,7 +115,9 @@ class NvmlPeak:
         return None
 
     def _run(self):
-        # An exception here would end the thread unseen and leave the peak at what it was.
+        # An exception here would end the thread unseen and leave the peak at what it was: any is
+        # caught, not only NVMLError (pynvml raises NVMLLibraryMismatchError, a plain Exception,
+        # where the driver lacks the listing's versioned function).
         listed_before = False  # the listing answered once: a later error is a failure, not "not supported"
         while not self._stop.is_set():
             own = None
@@ -123,7 +125,7 @@ class NvmlPeak:
                 try:
                     own = self._own_usage()
                     listed_before = True
-                except self._nvml.NVMLError as exc:
+                except Exception as exc:
                     if listed_before:
                         self.failure = f"NVML stopped answering: {exc}"
                         return
@@ -133,7 +135,7 @@ class NvmlPeak:
             elif self.process_peak is None:  # the device's figure counts only until the process is listed
                 try:
                     used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used - self._start_used
-                except self._nvml.NVMLError as exc:
+                except Exception as exc:
                     self.failure = f"NVML stopped answering: {exc}"
                     return
                 self.device_peak = max(self.device_peak, used)

@@ -211,6 +211,27 @@ def test_nvml_that_refuses_the_process_listing_gives_the_devices_figure(monkeypa
     assert peak.current() == 2000
 
 
+class MismatchedNvml(RefusingNvml):
+    """A driver without the versioned listing function: pynvml raises NVMLLibraryMismatchError,
+    which is an Exception, not an NVMLError."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        raise Exception("Unversioned function called and the pyNVML version does not match")
+
+
+def test_nvml_whose_listing_raises_another_error_gives_the_devices_figure(monkeypatch):
+    # the poller caught NVMLError alone: this ended its thread unseen, at a peak of 0
+    from autotune.measure import NvmlPeak
+
+    fake = MismatchedNvml([(1000, None), (1000, None), (2500, None), (4000, None), (3000, None)], answers=10**6)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    peak = NvmlPeak("GPU-x", interval_s=0.001)
+    deadline = time.monotonic() + 10
+    while fake.i < 8 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert (peak.stop(), peak.source, peak.failure) == (3000, "nvml-device", None)
+
+
 def test_nvml_that_stops_answering_leaves_torchs_reserved_peak_as_the_figure(monkeypatch):
     # Before, the poller's thread died on the first NVMLError, unseen, and the trial's peak was
     # what it had read by then (0 here): any config would have fit. No driver or CUDA here:
