@@ -3,7 +3,9 @@
 # OUT even when stopped at their limit (every stage runs under `timeout`, and the benchmarks write
 # as they go). From the project root, with autotune importable (installed, or on PYTHONPATH):
 #
-#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu, cut at 560 s in all; log and JUnit XML in OUT
+#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but compile and pairs, cut at 560 s in all; log, JUnit XML
+#   bash benchmarks/gpu_check.sh OUT compile   # tests/gpu's compile tests, cut at 560 s
+#   bash benchmarks/gpu_check.sh OUT pairs     # tests/gpu's pair test (every pair of each family's space), 560 s
 #   bash benchmarks/gpu_check.sh OUT memory    # gpu_memory.py, SDXL 1024x1024, 10 steps, cut at 540 s
 #   bash benchmarks/gpu_check.sh OUT tune      # SDXL random weights, 12GB, uncompiled seeds, then verify
 #   bash benchmarks/gpu_check.sh OUT versus    # versus_hand_tuning --quick on CUDA (tiny-sd15), cut at 540 s
@@ -12,13 +14,18 @@
 # `tune` stops short of the compiled seeds: a cold max-autotune compile of SDXL's UNet took over
 # 180 s on an H100. The full comparison (#8) needs a longer visit: versus_hand_tuning.py --device cuda.
 set -u
-out=${1:?usage: gpu_check.sh OUT suite|memory|tune|versus}
-stage=${2:?usage: gpu_check.sh OUT suite|memory|tune|versus}
+usage="usage: gpu_check.sh OUT suite|compile|pairs|memory|tune|versus"
+out=${1:?$usage}
+stage=${2:?$usage}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+# autotune from this checkout, also where a test or a script starts Python elsewhere (a test's CLI
+# run in its own folder, `python benchmarks/X.py`), when it is not installed
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # What the stages need beyond torch; a missing one is named here, not minutes into a stage.
-$py - <<'PY' || exit 1
+# Checked from another folder: Python puts the current one on the path, where autotune is.
+(cd /tmp && $py -) <<'PY' || exit 1
 import importlib, sys
 missing = [m for m in ("diffusers", "optuna", "torchao", "pynvml", "skimage", "xdist", "pytest_timeout", "autotune")
            if importlib.util.find_spec(m) is None]
@@ -35,16 +42,25 @@ suite)
     serial="tests/gpu/test_cuda.py tests/gpu/test_gpu_workers.py"
     timeout -s INT 280 $py -m pytest $serial -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-    timeout -s INT 280 $py -m pytest tests/gpu $(printf -- '--ignore %s ' $serial) -q -rsP -n 6 --dist worksteal \
-        --timeout 260 --durations 30 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider 2>&1 | tee -a "$out/gpu-tests.log"
+    timeout -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
+        -n 6 --dist worksteal --timeout 250 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
+        2>&1 | tee -a "$out/gpu-tests.log"
+    ;;
+compile|pairs)
+    # apart: each holds tests of minutes (cold compiles; several hundred configs per family)
+    [ "$stage" = compile ] && select="compile" || select="every_pair"
+    timeout -s INT 560 $py -m pytest tests/gpu/test_knobs_gpu.py -k "$select" -q -rsP -n 6 --dist worksteal \
+        --timeout 540 --durations 20 --junitxml "$out/gpu-tests-$stage.xml" -p no:cacheprovider \
+        2>&1 | tee "$out/gpu-tests-$stage.log"
     ;;
 memory)
     timeout -s INT 540 $py benchmarks/gpu_memory.py --steps 10 --trial-timeout 150 --out "$out"
     ;;
 tune)
-    # the baseline and the three uncompiled SDXL seeds; then the profile replayed as production loads it
+    # the baseline and the three uncompiled SDXL seeds; then the profile replayed as production loads it.
+    # No trial starts after 240 s and none runs past 150 s: the study ends, profile written, by 390 s.
     timeout -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
-        --confirm 0 --trial-timeout 200 --timeout 300 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
+        --confirm 0 --trial-timeout 150 --timeout 240 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
         2>&1 | tee "$out/tune.log"
     [ -f "$out/sdxl-12GB.yaml" ] && timeout -s INT 150 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 140 \
         2>&1 | tee "$out/verify.log"
@@ -55,7 +71,7 @@ versus)
         --trial-timeout 120 --workdir /tmp/vht-quick --out "$out" --name cuda-quick
     ;;
 *)
-    echo "gpu_check: unknown stage $stage (suite, memory, tune, versus)" >&2
+    echo "gpu_check: unknown stage $stage ($usage)" >&2
     exit 2
     ;;
 esac
