@@ -80,10 +80,12 @@ def classify(exc: BaseException) -> str:
         return COMPILE_ERROR
     # "not_supported": cuDNN's CUDNN_STATUS_NOT_SUPPORTED (a kernel for these shapes or dtypes);
     # SDPA held to kernels that take none of these inputs: "no available kernel" on CUDA, "no
-    # viable backend" on the CPU
+    # viable backend" on the CPU; the cuDNN attention kernel's frontend finding no plan for these
+    # shapes or this GPU (pytorch#140930, diffusers#9704)
     if isinstance(exc, NotImplementedError) or any(s in text for s in ("not implemented for", "not supported",
                                                                        "not_supported", "no available kernel",
-                                                                       "no viable backend")):
+                                                                       "no viable backend",
+                                                                       "no execution plans support the graph")):
         return UNSUPPORTED
     return ERROR
 

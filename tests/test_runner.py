@@ -218,6 +218,8 @@ def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path)
         (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
                       "non-contiguous input."), worker.UNSUPPORTED),
         (RuntimeError("No available kernel. Aborting execution."), worker.UNSUPPORTED),  # SDPA's, on CUDA
+        (RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph."),
+         worker.UNSUPPORTED),  # SDPA's cuDNN kernel, on a GPU or shapes it does not cover
         (ValueError("something else"), worker.ERROR),
     ],
 )
