@@ -723,6 +723,10 @@ def paired_rounds(summary, tuned, rows, probe, workdir: Path, rounds: int, timeo
                            "ratio": statistics.median(times["autotune"]) / statistics.median(times["hand"])}
 
 
+def _range(seconds: list[float]) -> str:
+    return f"{min(seconds):.3f}-{max(seconds):.3f} s"
+
+
 def settle(summary: list[dict]) -> None:
     """The ratio each budget reports: the paired one where there is one, else the single-measurement
     one; a loss the paired round overturns is kept as a note, as a measurement effect."""
@@ -735,9 +739,14 @@ def settle(summary: list[dict]) -> None:
                              f"{paired['ratio']:.2f}x {s['best_hand']}'s latency: the loss was a measurement effect")
                 s["loss"] = None
             elif paired["ratio"] > 1.0 and not s["loss"]:
+                ours, theirs = paired["autotune_s"], paired["hand_s"]
+                if min(ours) <= max(theirs):  # a round of ours as fast as one of theirs: no order between them
+                    cause = (f"a tie: their alternate rounds overlap (autotune {_range(ours)}, {s['best_hand']} "
+                             f"{_range(theirs)}), and the search found nothing faster that fits")
+                else:
+                    cause = "a search that kept a slower config on a drifting measurement"
                 s["loss"] = (f"measured alternately, autotune's pick ran at {paired['ratio']:.2f}x {s['best_hand']}'s "
-                             f"latency (single measurements: {s['ratio']:.2f}x): a search that kept a slower config "
-                             "on a drifting measurement")
+                             f"latency (single measurements: {s['ratio']:.2f}x): {cause}")
 
 
 def why_lost(winner: dict, tuned: dict, space) -> str:

@@ -37,3 +37,16 @@ def test_a_cut_short_result_serves_only_requests_it_would_have_been_cut_for(tmp_
     ask(4.0)  # not at 4.0 s: measured
     ask(None)  # nor without a bound
     assert measured == [4.0, None]
+
+
+def test_a_paired_loss_within_the_rounds_overlap_is_called_a_tie_not_a_drifting_search():
+    # 1.251 s against 1.245 s, medians of rounds that interleave: the report blamed the search
+    def budget(ours, theirs):
+        return {"ratio": 0.99, "loss": None, "best_hand": "hand-cpu",
+                "paired": {"rounds": 2, "autotune_s": ours, "hand_s": theirs,
+                           "ratio": (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))}}
+
+    tie, slower = budget([1.272, 1.229], [1.232, 1.259]), budget([1.40, 1.42], [1.232, 1.259])
+    vht.settle([tie, slower])
+    assert "a tie: their alternate rounds overlap (autotune 1.229-1.272 s, hand-cpu 1.232-1.259 s)" in tie["loss"]
+    assert "drifting measurement" in slower["loss"] and "tie" not in slower["loss"]
