@@ -241,10 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from .errors import AutotuneError
 
-    # GPUs numbered as NVML and nvidia-smi number them, here and in every trial: this process reads
-    # GPUs through NVML, and must not start CUDA to ask torch which one it means (its trials fork).
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-
     try:  # from the first line: a Ctrl-C while it imports is "interrupted" too, not a traceback
         terminate_as_interrupt()
         _quiet_libraries()  # imports optuna (0.1-0.2 s)

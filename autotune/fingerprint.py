@@ -38,32 +38,13 @@ def visible_gpus() -> list[str] | None:
 
 
 def _nvml_id(device: str) -> int | str:
-    """NVML's name for torch's `device`: its index among every GPU of the machine, or its UUID
-    (as CUDA_VISIBLE_DEVICES names it, GPU-... or MIG-..., or as torch reports it)."""
+    """NVML's name for torch's `device`: its index among every GPU of the machine, or the UUID
+    that CUDA_VISIBLE_DEVICES names it by (GPU-..., MIG-...)."""
     index = int(device.split(":")[1]) if ":" in device else 0
     ids = visible_gpus()
-    if _cuda_order_differs_from_nvmls() and not (ids and index < len(ids) and not ids[index].isdigit()):
-        # CUDA numbers these GPUs fastest first (CUDA_VISIBLE_DEVICES' numbers too), NVML by PCI
-        # bus: torch says which GPU it means, by UUID. Not in the tuning parent, which sets
-        # PCI_BUS_ID before anything (cli.main) and must not start CUDA before its trials fork.
-        import torch
-
-        return str(torch.cuda.get_device_properties(index).uuid)
     if ids and index < len(ids):
         return int(ids[index]) if ids[index].isdigit() else ids[index]
     return index
-
-
-def _cuda_order_differs_from_nvmls() -> bool:
-    """Whether CUDA may number this machine's GPUs otherwise than NVML: its default order is
-    fastest first (ties by PCI bus), NVML's the PCI bus, so they differ only where the GPUs do."""
-    if os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") == "PCI_BUS_ID":
-        return False
-    import pynvml
-
-    names = {_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-             for i in range(pynvml.nvmlDeviceGetCount())}
-    return len(names) > 1
 
 
 def nvml_handle(pynvml, uuid: str):

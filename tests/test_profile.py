@@ -5,7 +5,6 @@ import io
 import os
 import re
 import stat
-import sys
 import warnings
 from pathlib import Path
 
@@ -276,7 +275,6 @@ def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
 
 def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
     # torch numbers the visible GPUs from 0; NVML numbers every GPU on the machine
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as autotune's command and its trials run
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert fingerprint.visible_gpus() is None and fingerprint._nvml_id("cuda:1") == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
@@ -286,47 +284,6 @@ def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
     assert fingerprint._nvml_id("cuda:1") == "MIG-77c2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert fingerprint.visible_gpus() == []  # no GPU visible at all
-
-
-class MixedGpusNvml:
-    """The NVIDIA driver of a machine with an A10 and an H100 (PCI bus order): none here."""
-
-    names = ["NVIDIA A10", "NVIDIA H100"]
-
-    def nvmlDeviceGetCount(self):
-        return len(self.names)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetName(self, handle):
-        return self.names[handle]
-
-
-def test_where_cuda_numbers_gpus_fastest_first_torch_names_the_gpu_it_means(monkeypatch):
-    # CUDA's default order put the H100 first, NVML's the A10: cuda:0 read the A10's capability
-    import torch
-
-    class Props:
-        def __init__(self, index):
-            self.uuid = ["8932f937-h100", "11aa22bb-a10"][index]  # fastest first
-
-    nvml = MixedGpusNvml()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)  # no CUDA here
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert fingerprint._nvml_id("cuda:0") == "8932f937-h100" and fingerprint._nvml_id("cuda:1") == "11aa22bb-a10"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # CUDA's number, in its own order: torch resolves it
-    assert fingerprint._nvml_id("cuda") == "8932f937-h100"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-11aa22bb")  # a UUID means the same GPU in both
-    assert fingerprint._nvml_id("cuda") == "GPU-11aa22bb"
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert fingerprint._nvml_id("cuda:0") == 0  # both number by PCI bus
-    nvml.names = ["NVIDIA H100", "NVIDIA H100"]
-    monkeypatch.delenv("CUDA_DEVICE_ORDER")
-    assert fingerprint._nvml_id("cuda:1") == 1  # alike GPUs: fastest first is PCI order
 
 
 # ---- writing: the mode, and one-line errors ------------------------------------------------------
