@@ -231,27 +231,17 @@ def test_cuda_graph_modes_never_meet_outputs_held_across_replays():
     assert conflict(no_graphs) is None and conflict({**no_graphs, "cache": "first-block"}, "flux") is None
 
 
-def test_cuda_graph_modes_never_meet_weights_that_move_at_each_call():
-    from autotune.knobs import complete, conflict
-
-    for mode in ("reduce-overhead", "max-autotune"):
-        assert "recasts every layer" in conflict(complete({"compile": mode, "layerwise_casting": "fp8-e4m3"}))
-        upcast = complete({"compile": mode, "compile_vae": True, "dtype": "float16"})
-        assert "float16 VAE to float32 and back" in conflict(upcast, "sdxl")
-        assert conflict({**upcast, "vae_fp16_fix": True}, "sdxl") is None  # the fp16-fix VAE stays float16
-        assert conflict(upcast, "sd15") is None and conflict({**upcast, "compile_vae": False}, "sdxl") is None
-    plain = complete({"compile": "max-autotune-no-cudagraphs", "layerwise_casting": "fp8-e4m3"})
-    assert conflict(plain) is None
-
-
-def test_compiling_under_sequential_offload_is_forbidden_in_every_mode():
+def test_compiling_under_offload_hooks_on_every_layer_is_forbidden_in_every_mode():
     from autotune.knobs import CATALOGUE, complete, conflict
 
     for mode in CATALOGUE["compile"].choices[1:]:
-        assert conflict(complete({"compile": mode, "offload": "sequential"})), mode
-    assert "one layer at a time" in conflict(complete({"compile": "default", "offload": "sequential"}))
-    assert conflict(complete({"compile": "default", "offload": "model"})) is None
-    assert conflict(complete({"compile": "default", "offload": "group-leaf"})) is None  # diffusers compiles through
+        for offload in ("sequential", "group-leaf", "group-leaf-stream", "group-leaf-stream-lowmem"):
+            assert conflict(complete({"compile": mode, "offload": offload})), (mode, offload)
+    assert "every matmul and convolution would run uncompiled" in conflict(
+        complete({"compile": "default", "offload": "group-leaf"}))
+    # hooks on whole models or groups of blocks leave the blocks' insides to the compiler
+    for offload in ("model", "group-block-1", "group-block-1-stream"):
+        assert conflict(complete({"compile": "default", "offload": offload})) is None, offload
 
 
 def test_int4_weights_are_never_quantized_on_the_host():

@@ -56,7 +56,8 @@ _HOOKS = ["model", "sequential", "group-block-1", "group-block-2", "group-block-
           "group-leaf-stream", "group-leaf-stream-lowmem"]
 _STREAMED = ["group-block-1-stream", "group-leaf-stream", "group-leaf-stream-lowmem"]
 _CACHES = ["first-block", "taylorseer", "magcache"]
-_COMPILED = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+_COMPILED = [mode for mode in COMPILE.choices if mode != "none"]
+_PER_LAYER = ["sequential", "group-leaf", "group-leaf-stream", "group-leaf-stream-lowmem"]  # a hook on every layer
 
 # Combinations that are valid one by one but not together, as (partial config, reason). A value
 # may be a list: any of its elements matches. The key "family" narrows a rule to model families
@@ -106,24 +107,15 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"compile": list(CUDA_GRAPH_MODES), "cache": _CACHES},
      "step caches keep tensors from one denoiser call for the next, and a CUDA-graph replay "
      "overwrites the outputs of the one before"),
-    # Read, not yet seen on a GPU: what moves weights at each call defeats a CUDA-graph replay,
-    # which records their addresses (cudagraph trees record again when a static input moves).
-    # Layerwise casting calls module.to(compute dtype) before each layer and back after it
-    # (diffusers hooks/layerwise_casting.py); SDXL's pipeline casts its float16 VAE to float32
-    # and back around each decode.
-    ({"compile": list(CUDA_GRAPH_MODES), "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
-     "CUDA-graph compile modes replay fixed device addresses; layerwise casting recasts every layer's "
-     "weights into new memory at each call"),
-    ({"compile": list(CUDA_GRAPH_MODES), "compile_vae": True, "dtype": "float16", "vae_fp16_fix": False,
-      "family": ["sdxl"]},
-     "SDXL casts its float16 VAE to float32 and back around each decode: the weights of a "
-     "CUDA-graph-compiled decoder move at every call"),
-    # accelerate's hooks are compiler-disabled (accelerate hooks.py), and sequential offload puts
-    # one on every leaf module: the compiled denoiser breaks at each layer, no two layers compile
-    # together, and the compile time is spent for nothing.
-    ({"compile": [mode for mode in COMPILE.choices if mode != "none"], "offload": "sequential"},
-     "sequential offload hooks every layer, and accelerate's hooks stop the compiler: "
-     "the denoiser would compile one layer at a time, gaining nothing"),
+    # Offload hooks on every layer are compiler-disabled (accelerate's hooks.py, diffusers'
+    # group_offloading.py): each layer's call is a graph break and runs eagerly. Seen on the CPU
+    # with a toy of 4 blocks of 2 linear layers (torch._dynamo.explain): 1 graph of 24 ops
+    # without offload, 6 graphs of 6 ops in all with diffusers' leaf-level group offload; the
+    # matmuls ran outside every graph. Compile would fuse only what lies between layers, after
+    # compiling a fragment per layer (about 1,700 in SDXL's UNet).
+    ({"compile": _COMPILED, "offload": _PER_LAYER},
+     "offload hooks on every layer stop the compiler at each one: every matmul and convolution would "
+     "run uncompiled, and compiling a fragment per layer costs minutes for the little left between them"),
     # how to compile only matters when compiling
     ({"compile": "none", "compile_fullgraph": True}, "compile_fullgraph only matters when compiling"),
     ({"compile": "none", "compile_regional": True}, "compile_regional only matters when compiling"),
