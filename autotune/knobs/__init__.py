@@ -113,6 +113,9 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # without offload, 6 graphs of 6 ops in all with diffusers' leaf-level group offload; the
     # matmuls ran outside every graph. Compile would fuse only what lies between layers, after
     # compiling a fragment per layer (about 1,700 in SDXL's UNet).
+    # Not ruled out: CUDA-graph modes with fp8 layerwise casting or SDXL's float16 VAE, whose
+    # weights are cast into new memory at each call. cudagraph trees record again when a
+    # weight moves: slower, not wrong, and left for measurement to judge.
     ({"compile": _COMPILED, "offload": _PER_LAYER},
      "offload hooks on every layer stop the compiler at each one: every matmul and convolution would "
      "run uncompiled, and compiling a fragment per layer costs minutes for the little left between them"),
