@@ -599,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in summary:
         if s.get("loss"):
             print(f"AUTOTUNE LOST at {format_size(s['budget_bytes'])}: {s['loss']}")
+        elif s.get("tie"):
+            print(f"AUTOTUNE TIED at {format_size(s['budget_bytes'])}: {s['tie']}")
     log(f"wrote {stem}.md, .json, .png; run wall time {wall / 60:.1f} min")
     return 0
 
@@ -740,13 +742,13 @@ def settle(summary: list[dict]) -> None:
                 s["loss"] = None
             elif paired["ratio"] > 1.0 and not s["loss"]:
                 ours, theirs = paired["autotune_s"], paired["hand_s"]
+                said = (f"measured alternately, autotune's pick ran at {paired['ratio']:.2f}x {s['best_hand']}'s "
+                        f"latency (single measurements: {s['ratio']:.2f}x)")
                 if min(ours) <= max(theirs):  # a round of ours as fast as one of theirs: no order between them
-                    cause = (f"a tie: their alternate rounds overlap (autotune {_range(ours)}, {s['best_hand']} "
-                             f"{_range(theirs)}), and the search found nothing faster that fits")
+                    s["tie"] = (f"{said}, and their alternate rounds overlap (autotune {_range(ours)}, "
+                                f"{s['best_hand']} {_range(theirs)}): the search found nothing faster that fits")
                 else:
-                    cause = "a search that kept a slower config on a drifting measurement"
-                s["loss"] = (f"measured alternately, autotune's pick ran at {paired['ratio']:.2f}x {s['best_hand']}'s "
-                             f"latency (single measurements: {s['ratio']:.2f}x): {cause}")
+                    s["loss"] = f"{said}: a search that kept a slower config on a drifting measurement"
 
 
 def why_lost(winner: dict, tuned: dict, space) -> str:
@@ -854,6 +856,10 @@ def markdown(doc: dict) -> str:
     losses = [s for s in doc["summary"] if s.get("loss")]
     lines += ["", "## Where autotune lost", ""]
     lines += [f"- {_size(s['budget_bytes'])}: {s['loss']}" for s in losses] or ["- nowhere in this run."]
+    ties = [s for s in doc["summary"] if s.get("tie")]
+    if ties:
+        lines += ["", "Ties (autotune's pick no faster than the hand stack, nor slower beyond their rounds' spread):", ""]
+        lines += [f"- {_size(s['budget_bytes'])}: {s['tie']}" for s in ties]
     notes = [s for s in doc["summary"] if s.get("note")]
     if notes:
         lines += ["", "Losses of single measurements that the paired round overturned:", ""]
