@@ -690,21 +690,18 @@ def _legend_beside(ax) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
-def _annotate_apart(fig, ax, labels: list[tuple]) -> None:
+def _annotate_apart(ax, labels: list[tuple]) -> None:
     """Write each (text, xy, leftwards, color) label beside its point, raised a line at a time
     while it would cover one written before: studies of equal budgets and close latencies wrote
     theirs on top of each other. (adjustText does this for many labels, by iteration and with a
     dependency; a handful stacked in order needs neither.)"""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    renderer = (fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)).get_renderer()
     written = []
     for text, xy, leftwards, color in labels:
         rise = 5
         while True:
             label = ax.annotate(text, xy, xytext=(-5 if leftwards else 5, rise), textcoords="offset points",
                                 fontsize=8, color=color, ha="right" if leftwards else "left")
-            box = label.get_window_extent(renderer)
+            box = label.get_window_extent()  # the figure's own renderer, as it will draw
             if not any(box.overlaps(other) for other in written) or rise > 5 + 10 * len(labels):
                 break
             label.remove()
@@ -757,7 +754,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
                            s.budget_bytes > edge / 2, color))  # leftwards right of the middle: not cut off
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
-    _annotate_apart(fig, ax, labels)
+    _annotate_apart(ax, labels)
     ax.set_title("Best latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn

@@ -142,14 +142,14 @@ def run_trial(
     tick_every_s: float = 1.0,
     launcher: str = "spawn",
     stop_above_bytes: int | None = None,
-    stop_above_is: str = "",
+    stop_above_what: str = "",
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
     (heartbeats, progress). On KeyboardInterrupt the child's process group is killed first.
     `stop_above_bytes`: a trial whose resident memory passes it is stopped as out_of_memory (on a
     CPU, where the budget is host memory, a config far over it cannot fit whatever its speed);
-    `stop_above_is` says what that bound is, for the message ("twice the 2.00 GiB budget")."""
+    `stop_above_what` says what that bound is, for the message ("2x the 2.00 GiB budget")."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, log_path = (
         workdir / "request.json",
@@ -184,7 +184,7 @@ def run_trial(
                               f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
                               "out-of-memory killer")
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
-                what = f"{stop_above_is}; " if stop_above_is else ""
+                what = f"{stop_above_what}; " if stop_above_what else ""
                 return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "
                               f"({what}{format_size(held)} when read): stopped, as it cannot fit the budget",
                               peak_memory_bytes=held)  # at least this much: it was still growing

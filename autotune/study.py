@@ -398,7 +398,7 @@ def measure_in_child(req: TuneRequest) -> Measure:
             tick_every_s=1.0,
             launcher=req.launcher,
             stop_above_bytes=STOP_ABOVE_BUDGET * req.budget_bytes if cpu_trial else None,
-            stop_above_is=f"{STOP_ABOVE_BUDGET}x the {format_size(req.budget_bytes)} budget",
+            stop_above_what=f"{STOP_ABOVE_BUDGET}x the {format_size(req.budget_bytes)} budget",
         )
 
     return measure

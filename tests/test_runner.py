@@ -88,7 +88,7 @@ def test_a_trial_that_would_exhaust_host_memory_is_stopped_as_out_of_memory(tmp_
 def test_a_cpu_trial_past_its_memory_stop_is_stopped_as_out_of_memory(tmp_path):
     # 64 MiB: the child passes it while importing and building, long before its first call
     result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="fork", stop_above_bytes=64 * 2**20,
-                              stop_above_is="2x the 32.00 MiB budget")
+                              stop_above_what="2x the 32.00 MiB budget")
     assert result["status"] == worker.OUT_OF_MEMORY
     assert "resident memory passed 64.00 MiB (2x the 32.00 MiB budget; " in result["error"]
     assert "stopped, as it cannot fit the budget" in result["error"]

@@ -163,9 +163,9 @@ INDUCTOR_FLAGS = Knob(
 # in two rounds of alternate trials against 1.39 and 3.10 s without it (the 3.10 beside other
 # work), and in a third 1.49 s against 1.24 s, with a test run beside the frozen trial; at a peak
 # of 4.35 GiB against 3.36 GiB.
-# inductor's freezing_discard_parameters, which drops the originals once folded, left the peak as
-# it was (4.35 GiB against 4.38 in two rounds each, same stack): the peak comes while both are
-# held, during the freezing itself; not a knob for that.
+# inductor's freezing_discard_parameters, which drops the originals once folded, did not lower
+# that peak (4.35 GiB with it, 4.38 without, two rounds each, same stack): the peak comes during
+# the freezing, while both are held, so it is not offered as a choice.
 # The weights are then fixed: a change made in place after the first call (a LoRA fused into
 # them) is not seen (pytorch#103990). Process-global, set by both choices as inductor_flags is.
 _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})

@@ -29,7 +29,8 @@ DTYPE = Knob(
     name="dtype",
     choices=tuple(DTYPES),
     default="float32",
-    help="weight and activation dtype of every component (a VAE configured to decode upcast, as SDXL's, keeps it)",
+    help="weight and activation dtype of every component (SDXL's pipeline still decodes a float16 VAE in "
+    "float32 where the VAE's config asks it to)",
     apply=_apply_dtype,
     # 4 bytes per weight against 2; float16 above bfloat16: SDXL's VAE decodes upcast to float32
     # in float16 (force_upcast), and T5 keeps its `wo` layers in float32 in float16
