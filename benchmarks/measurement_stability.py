@@ -97,9 +97,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="which configurations to measure (default: all)")
     parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
-                        help="fix glibc's mmap threshold in the trials (MALLOC_MMAP_THRESHOLD_); default: glibc's own")
+                        help="fix glibc's mmap threshold in the trials, not in this process's --control "
+                             "(MALLOC_MMAP_THRESHOLD_); default: glibc's own")
     args = parser.parse_args()
-    if args.malloc_mmap_threshold:  # before the first trial starts the fork server, which passes it on
+    if args.malloc_mmap_threshold is not None:  # before the first trial starts the fork server, which passes it on
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
 
     spec = resolve_model(args.model)
@@ -131,7 +132,8 @@ def main() -> None:
     def spread_of(values) -> str:
         return f"{(max(values) - min(values)) / statistics.median(values):.1%}"
 
-    threshold = f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""
+    threshold = ("" if args.malloc_mmap_threshold is None
+                 else f", trials with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
     print(f"{args.model} on cpu, {args.threads} threads{threshold}, {args.trials} separate trials per configuration")
     print("| configuration | trial medians (s) | timed calls per trial | cores taken by other processes while timed "
           "| spread of medians | peak memory per trial (MiB) | spread of peaks |")
