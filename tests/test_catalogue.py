@@ -573,7 +573,7 @@ def test_inductor_flags_set_the_guides_settings(inductor_config):
 def test_compile_freezing_sets_inductors_freezing_and_keeps_off_hooks_that_move_weights(inductor_config):
     build_tiny("sd15", {"dtype": "bfloat16", "compile": "default", "compile_freezing": True})
     assert inductor_config.freezing is True
-    for rule in ({"offload": "model"}, {"offload": "group-leaf-stream"}, {"layerwise_casting": "fp8-e4m3"},
+    for rule in ({"offload": "model"}, {"offload": "group-block-1-stream"}, {"layerwise_casting": "fp8-e4m3"},
                  {"compile_regional": True}):
         assert "freezing" in conflict({**baseline(), "compile": "default", "compile_freezing": True, **rule}), rule
 
