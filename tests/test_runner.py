@@ -67,9 +67,9 @@ def test_a_forked_trial_reports_no_less_host_memory_than_a_fresh_process(tmp_pat
 
 @LAUNCHERS
 def test_a_trial_over_its_time_limit_is_killed(tmp_path, launcher):
-    # 1000 steps a call, seconds each: a whole tiny trial from the fork server once ended in 1.0 s
+    # 200 steps a call, 5 s each here: a whole tiny trial from the fork server once ended in 1.0 s
     spec = resolve_model("tiny-sd15")
-    slow = worker.trial_request(spec, {}, dataclasses.replace(spec.default_workload, steps=1000), "cpu")
+    slow = worker.trial_request(spec, {}, dataclasses.replace(spec.default_workload, steps=200), "cpu")
     result = runner.run_trial(slow, tmp_path / "t", timeout_s=1.0, tick_every_s=0.2, launcher=launcher)
     assert result["status"] == worker.TIMEOUT
     assert not trial_processes()
