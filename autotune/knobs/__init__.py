@@ -19,11 +19,11 @@ from typing import Any
 from ..errors import AutotuneError
 from .attention import ATTENTION
 from .base import Knob, Target
-from .cache import CACHE
+from .cache import CACHE, CACHES
 from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
                       INDUCTOR_FLAGS)
 from .layout import CHANNELS_LAST, FUSE_QKV
-from .memory import OFFLOAD, PLACEMENT, VAE_SLICING, VAE_TILING, places_on_device
+from .memory import HOOKED, OFFLOAD, PER_LAYER, PLACEMENT, STREAMED, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
 from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
 
@@ -52,12 +52,7 @@ APPLY_ORDER: tuple[Knob, ...] = (
 )
 CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
 
-_HOOKS = ["model", "sequential", "group-block-1", "group-block-2", "group-block-1-stream", "group-leaf",
-          "group-leaf-stream", "group-leaf-stream-lowmem"]
-_STREAMED = ["group-block-1-stream", "group-leaf-stream", "group-leaf-stream-lowmem"]
-_CACHES = ["first-block", "taylorseer", "magcache"]
 _COMPILED = [mode for mode in COMPILE.choices if mode != "none"]
-_PER_LAYER = ["sequential", "group-leaf", "group-leaf-stream", "group-leaf-stream-lowmem"]  # a hook on every layer
 
 # Combinations that are valid one by one but not together, as (partial config, reason). A value
 # may be a list: any of its elements matches. The key "family" narrows a rule to model families
@@ -82,13 +77,13 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
       "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "quantization and fp8 layerwise casting both rewrite the denoiser's weights: choose one"),
     # fullgraph cannot trace through hooks
-    ({"compile_fullgraph": True, "offload": _HOOKS},
+    ({"compile_fullgraph": True, "offload": HOOKED},
      "fullgraph=True cannot trace through offload hooks (graph breaks are errors)"),
-    ({"compile_fullgraph": True, "cache": _CACHES},
+    ({"compile_fullgraph": True, "cache": list(CACHES)},
      "fullgraph=True cannot trace through cache hooks (data-dependent skips are graph breaks)"),
     ({"compile_fullgraph": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "fullgraph=True cannot trace through layerwise-casting hooks"),
-    ({"compile": list(CUDA_GRAPH_MODES), "offload": _HOOKS},
+    ({"compile": list(CUDA_GRAPH_MODES), "offload": HOOKED},
      "CUDA-graph compile modes replay fixed device addresses; offload moves the weights (diffusers#8879)"),
     ({"compile": list(CUDA_GRAPH_MODES), "compile_regional": True},
      "CUDA-graph compile modes on regionally compiled blocks: one block's output is the next replay's "
@@ -104,7 +99,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "a CUDA-graph-compiled VAE decoder runs once per image of the batch, and each replay "
      "overwrites the images decoded before it, which the VAE still holds to join them"),
     # Inferred the same way: the caches keep tensors computed in one denoiser call for the next.
-    ({"compile": list(CUDA_GRAPH_MODES), "cache": _CACHES},
+    ({"compile": list(CUDA_GRAPH_MODES), "cache": list(CACHES)},
      "step caches keep tensors from one denoiser call for the next, and a CUDA-graph replay "
      "overwrites the outputs of the one before"),
     # Offload hooks on every layer are compiler-disabled (accelerate's hooks.py, diffusers'
@@ -116,7 +111,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # Not ruled out: CUDA-graph modes with fp8 layerwise casting or SDXL's float16 VAE, whose
     # weights are cast into new memory at each call. cudagraph trees record again when a
     # weight moves: slower, not wrong, and left for measurement to judge.
-    ({"compile": _COMPILED, "offload": _PER_LAYER},
+    ({"compile": _COMPILED, "offload": PER_LAYER},
      "offload hooks on every layer stop the compiler at each one: every matmul and convolution would "
      "run uncompiled, and compiling a fragment per layer costs minutes for the little left between them"),
     # how to compile only matters when compiling
@@ -126,7 +121,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"compile": "none", "inductor_flags": True}, "inductor_flags only matter when compiling"),
     ({"compile": "none", "compile_freezing": True}, "compile_freezing only matters when compiling"),
     # freezing takes the weights as constants of the compiled graph, as they are when it compiles
-    ({"compile_freezing": True, "offload": _HOOKS},
+    ({"compile_freezing": True, "offload": HOOKED},
      "freezing takes the weights as constants where they are when it compiles; offload hooks move them at each call"),
     ({"compile_freezing": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "freezing takes the weights as constants; layerwise casting keeps them in fp8 and casts them at each call"),
@@ -137,22 +132,22 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "every block, and past dynamo's recompile limit (8) the rest run uncompiled, or fail with fullgraph"),
     # where weights are quantized: offload and balanced placement keep them on the host until
     # the hooks move them, so quantize_ runs there
-    ({"quantize": "int4wo", "offload": _HOOKS},
+    ({"quantize": "int4wo", "offload": HOOKED},
      "int4 weights are packed for the tinygemm kernel when quantized, and torch packs them only on a "
      "GPU (no CPU kernel for _convert_weight_to_int4pack); offload keeps them on the host"),
     ({"quantize": "int4wo", "placement": "balanced"},
      "int4 weights are packed only on a GPU (no CPU kernel for _convert_weight_to_int4pack); "
      "balanced placement quantizes on the host before it places the components"),
     # placement
-    ({"placement": "balanced", "offload": _HOOKS},
+    ({"placement": "balanced", "offload": HOOKED},
      "balanced placement puts whole components on GPUs; offload hooks would move them again (diffusers raises)"),
-    ({"vae_tiling": True, "offload": _STREAMED},
+    ({"vae_tiling": True, "offload": STREAMED},
      "diffusers: group offload with CUDA streams on a VAE may misbehave when the first pass is tiled"),
     # Inferred from diffusers 0.42.1's code for a failure of the GPU pair test on an H100 (an SDXL
     # VAE decode with "mixed dtype"): the pinned host copies are keyed by parameter and made once,
     # and `.to(dtype)` converts the parameters in place, so the copies keep the old dtype.
     # (-lowmem makes the same copies at set-up and only pins them as it moves: the same mechanism)
-    ({"dtype": "float16", "vae_fp16_fix": False, "offload": _STREAMED,
+    ({"dtype": "float16", "vae_fp16_fix": False, "offload": STREAMED,
       "family": ["sdxl"]},
      "SDXL upcasts its float16 VAE with .to(float32) for each decode; group offload with streams onloads "
      "the float16 host copies it made when it was set up, so the decode mixes dtypes"),

@@ -84,6 +84,13 @@ _GROUPS = {
 }
 
 
+# The offload kinds the rules name, read from the tables above: every kind hooks the weights; the
+# stream kinds pin host copies at set-up; sequential and leaf-level hook every layer.
+HOOKED = [*_OFFLOADS, *_GROUPS]
+STREAMED = [kind for kind, kwargs in _GROUPS.items() if kwargs.get("use_stream")]
+PER_LAYER = ["sequential", *(kind for kind, kwargs in _GROUPS.items() if kwargs["offload_type"] == "leaf_level")]
+
+
 def places_on_device(config) -> bool:
     """Whether apply_config moves the whole pipeline to the target device itself (no offload
     hooks and no multi-GPU placement do it instead)."""
