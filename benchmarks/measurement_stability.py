@@ -17,11 +17,12 @@ what time scale the machine's speed moves.
     python benchmarks/measurement_stability.py --series 100
 
 Each trial's peak memory (its process's peak RSS on a CPU) is reported beside its median, with
-their spread. `--malloc-mmap-threshold BYTES` runs the trials with glibc's mmap threshold fixed
-(MALLOC_MMAP_THRESHOLD_), which turns off glibc's adjustment of it as the process frees memory:
-the test of whether that adjustment is what moves the peak from one trial to the next.
+their spread. `--malloc-mmap-threshold BYTES` runs the trials with glibc's mmap threshold held
+(MALLOC_MMAP_THRESHOLD_): at 131072 every block of 128 KiB or more is a fresh mapping, returned when
+freed, which is how the peaks' spread was traced to where glibc places blocks
+(benchmarks/results/measurement_stability.md).
 
-    python benchmarks/measurement_stability.py --model tiny-flux --trials 5 --configs baseline --malloc-mmap-threshold 131072
+    python benchmarks/measurement_stability.py --model tiny-flux --trials 5 --malloc-mmap-threshold 131072
 """
 
 from __future__ import annotations
