@@ -663,7 +663,7 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int,
     (`cpu`), each compiled seed is measured frozen too, first (`_frozen_on_cpu`)."""
     seeds = space.seed_configs()
     if cpu:
-        seeds = space.fit([each for s in seeds for each in _frozen_on_cpu(space, s)])
+        seeds = space.fit([each for s in seeds for each in _frozen_on_cpu(s)])
     guard = guard or {}
     fp32, bf16 = guard.get("float32_call_s"), guard.get("bfloat16_call_s")
     if not seeds or not (fp32 and bf16 and bf16 > SLOW_BFLOAT16 * fp32):
@@ -681,16 +681,14 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int,
     return space.fit([{**s, "dtype": "float32"} if s.get("dtype") == "bfloat16" else s for s in seeds]), note
 
 
-def _frozen_on_cpu(space: SearchSpace, seed: Config) -> list[Config]:
-    """A compiled seed with inductor's freezing, then as it is, where the space searches freezing
-    and allows it there: on a CPU, freezing is what lets inductor prepack the weights for oneDNN's
-    kernels, and the compiled stack ran 1.7x faster with it on this project's 2-core CPU
+def _frozen_on_cpu(seed: Config) -> list[Config]:
+    """A compiled seed with inductor's freezing, then as it is (space.fit then drops the frozen one
+    where the space does not search freezing or a rule forbids it, as with regional compile): on
+    a CPU, freezing is what lets inductor prepack the weights for oneDNN's kernels, and the
+    compiled stack ran 1.7x faster with it on this project's 2-core CPU
     (benchmarks/results/versus_hand_tuning-epyc-freezing.md). Both: the frozen one holds about a
     GiB more (SD1.5), and in the #8 run the seed frozen alone fitted no budget the plain one did."""
-    if seed.get("compile", "none") == "none" or True not in space.choices_of("compile_freezing"):
-        return [seed]
-    frozen = {**seed, "compile_freezing": True}
-    return [frozen, seed] if space.fit([frozen]) else [seed]  # not where a rule forbids it (regional compile)
+    return [seed] if seed.get("compile", "none") == "none" else [{**seed, "compile_freezing": True}, seed]
 
 
 def _in_flight(study: optuna.Study, besides: int | None = None) -> dict[str, int]:
