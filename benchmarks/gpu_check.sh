@@ -60,7 +60,8 @@ tune)
     # the baseline and the three uncompiled SDXL seeds; then the profile replayed as production loads it.
     # --timeout counts from the end of the set-up's two reference runs (float32, bfloat16): each of
     # those and of the trials is cut at 100 s and no trial starts after 100 s more, so the study
-    # ends, its profile written, within about 400 s and the set-up's own loading, before the stage's kill.
+    # ends, its profile written, about 400 s after the set-up's own loading, before the stage's kill
+    # (not yet run: the loading of SDXL's random weights is not measured on a GPU).
     timeout -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
         --confirm 0 --trial-timeout 100 --timeout 100 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
         2>&1 | tee "$out/tune.log"
