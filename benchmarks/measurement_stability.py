@@ -23,11 +23,21 @@ freed, which is how the peaks' spread was traced to where glibc places blocks
 (benchmarks/results/measurement_stability.md).
 
     python benchmarks/measurement_stability.py --model tiny-flux --trials 5 --malloc-mmap-threshold 131072
+
+`--config NAME=JSON` measures a configuration of your own instead (repeatable), and
+`--random-weights` with `--height/--width/--steps` a full-size architecture: how the peak of a
+frozen SD1.5 stack was traced to glibc's heap, and the `malloc_mmap_threshold` knob measured:
+
+    python benchmarks/measurement_stability.py --model sd15 --random-weights --height 128 --width 128 \
+        --steps 2 --trials 3 --config 'int8dq-frozen={"dtype": "bfloat16", ...}' \
+        --config 'int8dq-frozen-1MiB={"dtype": "bfloat16", ..., "malloc_mmap_threshold": "1MiB"}'
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import tempfile
@@ -55,10 +65,9 @@ def machine_probe() -> float:
     return time.perf_counter() - start
 
 
-def in_process_call(spec, configs, args):
+def in_process_call(spec, workload, configs, args):
     """A function timing one call of the first configuration, built once in this process."""
     torch.set_num_threads(args.threads)
-    workload = spec.default_workload
     first = {**baseline(), **next(iter(configs.values()))}
     pipe = build_configured(spec, first, Target(device="cpu", family=spec.family, workload=workload))
     pipe.set_progress_bar_config(disable=True)
@@ -72,8 +81,8 @@ def in_process_call(spec, configs, args):
     return call
 
 
-def series(spec, configs, args) -> None:
-    call = in_process_call(spec, configs, args)
+def series(spec, workload, configs, args) -> None:
+    call = in_process_call(spec, workload, configs, args)
     times = [call() for _ in range(args.series)]
     print(f"{args.model} on cpu, {args.threads} threads, {next(iter(configs))}: {args.series} calls in a row "
           f"in one process ({sum(times):.0f} s)")
@@ -97,6 +106,12 @@ def main() -> None:
                         help="time the first configuration in this process too, before each trial")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="which configurations to measure (default: all)")
+    parser.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                        help="measure this configuration (knob: choice, as JSON) instead of --configs; repeatable")
+    parser.add_argument("--random-weights", action="store_true", help="a built-in full-size architecture, random weights")
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--steps", type=int)
     parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                         help="fix glibc's mmap threshold in the trials, not in this process's --control "
                              "(MALLOC_MMAP_THRESHOLD_); default: glibc's own")
@@ -104,24 +119,36 @@ def main() -> None:
     if args.malloc_mmap_threshold is not None:  # before the first trial starts the fork server, which passes it on
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
 
-    spec = resolve_model(args.model)
+    spec = resolve_model(args.model, random_weights=args.random_weights)
+    sizes = {k: v for k, v in (("height", args.height), ("width", args.width), ("steps", args.steps)) if v}
+    workload = dataclasses.replace(spec.default_workload, **sizes)
     configs = {name: CONFIGS[name] for name in args.configs}
+    if args.config:
+        configs = {}
+        for item in args.config:
+            name, _, text = item.partition("=")
+            try:
+                configs[name] = json.loads(text)
+            except json.JSONDecodeError as e:
+                parser.error(f"--config {name}: not JSON ({e})")
+            if not name or not isinstance(configs[name], dict):
+                parser.error(f"--config takes NAME={{\"knob\": choice, ...}}, not {item!r}")
     if args.series:
-        return series(spec, configs, args)
+        return series(spec, workload, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
     peaks: dict[str, list[int]] = {name: [] for name in configs}
     calls: dict[str, list[int]] = {name: [] for name in configs}
     busy: dict[str, list[float]] = {name: [] for name in configs}  # the trials' cores others took
     probes: list[float] = []
     control: list[float] = []
-    control_call = in_process_call(spec, configs, args) if args.control else None
+    control_call = in_process_call(spec, workload, configs, args) if args.control else None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.trials):
             for name, changes in configs.items():  # alternate, so drifts of the machine hit both
                 probes.append(machine_probe())
                 if control_call and name == next(iter(configs)):
                     control.append(statistics.median(control_call() for _ in range(5)))
-                request = worker.trial_request(spec, {**baseline(), **changes}, spec.default_workload, "cpu",
+                request = worker.trial_request(spec, {**baseline(), **changes}, workload, "cpu",
                                                repeats=args.repeats, threads=args.threads)
                 result = runner.run_trial(request, Path(tmp) / f"{name}-{i}", 900, launcher="fork")
                 assert result["status"] == "ok", result
@@ -135,7 +162,8 @@ def main() -> None:
 
     threshold = ("" if args.malloc_mmap_threshold is None
                  else f", trials with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}")
-    print(f"{args.model} on cpu, {args.threads} threads{threshold}, {args.trials} separate trials per configuration")
+    print(f"{args.model} on cpu, {workload.height}x{workload.width}, {workload.steps} steps, {args.threads} threads"
+          f"{threshold}, {args.trials} separate trials per configuration")
     print("| configuration | trial medians (s) | timed calls per trial | cores taken by other processes while timed "
           "| spread of medians | peak memory per trial (MiB) | spread of peaks |")
     print("|---|---|---|---|---|---|---|")
