@@ -24,7 +24,7 @@ import yaml
 from . import fingerprint
 from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import Config, Target, apply_config, build_configured, complete
+from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -304,6 +304,11 @@ class Profile:
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
+        for knob in BEFORE_BUILD:
+            if config[knob.name] != knob.default:
+                warnings.warn(f"{knob.name}={config[knob.name]} holds from now on, but the trial held it before "
+                              "the pipeline was built, and its weights as loaded follow it too: load with "
+                              "profile.load_pipeline() to get the measured peak", stacklevel=2)
         try:
             return apply_config(pipe, config, target)
         except AutotuneError as exc:  # a pipeline configured already: this profile's error, for callers

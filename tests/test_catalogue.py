@@ -8,8 +8,10 @@ value, never applied); tests/gpu/test_knobs_gpu.py applies them for real on a GP
 
 import copy
 import itertools
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -601,6 +603,75 @@ def test_a_false_global_flag_puts_back_what_the_process_had(inductor_config):
     finally:
         torch.set_float32_matmul_precision(fresh[0])
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = fresh[1], fresh[2]
+
+
+# A child process: the threshold, once held, stays held for the rest of the process (glibc has
+# no call that gives back its rising threshold). It reads glibc's own count of bytes in mapped
+# blocks (mallinfo2's hblkhd) around a 2 MiB allocation made after a 16 MiB block was freed, which
+# with glibc's default raises the threshold above 2 MiB.
+_MAPPED_AFTER_A_FREE = """
+import ctypes, sys, torch
+sys.path.insert(0, {tests!r})
+from helpers import build_tiny
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = MallInfo2
+import autotune.models
+from autotune.knobs import host
+
+build_pipeline = autotune.models.build_pipeline
+held_at_build = []
+def watched_build(*args, **kwargs):  # the real build, noting what was held when it began
+    held_at_build.append(host._held)
+    return build_pipeline(*args, **kwargs)
+autotune.models.build_pipeline = watched_build
+pipe = build_tiny("sd15", {{"malloc_mmap_threshold": {value!r}}})
+print(held_at_build)
+large = torch.empty(16 << 20, dtype=torch.uint8)  # mapped (above any threshold held here); freed, it raises glibc's default to 16 MiB
+del large
+before = mallinfo2().hblkhd
+block = torch.empty(2 << 20, dtype=torch.uint8)
+print(mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.parametrize("value, mapped", [("dynamic", False), ("1MiB", True), ("4MiB", False)])
+def test_malloc_mmap_threshold_holds_glibcs_threshold(value, mapped):
+    if CATALOGUE["malloc_mmap_threshold"].unavailable("1MiB", cpu("sd15")):
+        pytest.skip("the C library is not glibc")
+    code = _MAPPED_AFTER_A_FREE.format(tests=str(Path(__file__).parent), value=value)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    held_at_build, grew = out.stdout.strip().splitlines()[-2:]
+    # held before the weights were allocated, so that they follow it too
+    assert held_at_build == str([None if value == "dynamic" else value])
+    grew = int(grew)
+    # 2 MiB gets its own mapping only below a threshold held at 1 MiB; glibc's default has risen
+    # to 16 MiB, and a threshold held at 4 MiB keeps it on the heap
+    assert (grew >= 2 << 20) if mapped else (grew == 0), (value, grew)
+
+
+def test_malloc_mmap_threshold_is_host_only_and_warns_where_it_cannot_be_undone(monkeypatch):
+    from autotune.knobs import host
+
+    knob = CATALOGUE["malloc_mmap_threshold"]
+    assert "device memory" in knob.unavailable("1MiB", cuda("sdxl"))
+    assert knob.unavailable("dynamic", cuda("sdxl")) is None
+    # a profile measured with glibc's default, applied in a process where another held it
+    monkeypatch.setattr(host, "_held", "1MiB")
+    monkeypatch.setattr(host, "_warned", False)
+    with pytest.warns(UserWarning, match="stays held at 1MiB"):
+        knob.apply(None, "dynamic", cpu("sd15"), baseline())
+    monkeypatch.setattr(host, "_held", None)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        knob.apply(None, "dynamic", cpu("sd15"), baseline())
 
 
 def test_tracing_is_documented_as_superseded():

@@ -3,7 +3,8 @@
 A configuration is a flat dict {knob name: choice}. `apply_config` is the only code that turns one
 into pipeline state; trial workers and production (`Profile.apply`) both call it.
 
-Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
+Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: the host allocator's
+setting (held before the pipeline is built, see BEFORE_BUILD); dtype, the VAE swap
 and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
 fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
 moves to the device (so the device never holds the weights before they are rewritten); layout and the attention
@@ -22,12 +23,14 @@ from .base import Knob, Target
 from .cache import CACHE, CACHES
 from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
                       INDUCTOR_FLAGS)
+from .host import MALLOC_MMAP_THRESHOLD
 from .layout import CHANNELS_LAST, FUSE_QKV
 from .memory import HOOKED, OFFLOAD, PER_LAYER, PLACEMENT, STREAMED, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
 from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
 
 APPLY_ORDER: tuple[Knob, ...] = (
+    MALLOC_MMAP_THRESHOLD,
     DTYPE,
     VAE_FP16_FIX,  # a component swap: before anything changes the VAE's modules
     TF32,
@@ -51,6 +54,10 @@ APPLY_ORDER: tuple[Knob, ...] = (
     COMPILE_FREEZING,  # the same
 )
 CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
+# Process settings that must already hold while the pipeline's weights are allocated:
+# build_configured applies them before it builds (and apply_config again, which changes nothing
+# then). On a pipeline loaded before, they hold only for what is allocated after.
+BEFORE_BUILD: tuple[Knob, ...] = (MALLOC_MMAP_THRESHOLD,)
 
 _COMPILED = [mode for mode in COMPILE.choices if mode != "none"]
 
@@ -263,6 +270,8 @@ def build_configured(spec, config: Config, target: Target):
     from ..models import build_pipeline
 
     config = complete(config)
+    for knob in BEFORE_BUILD:
+        knob.apply(None, config[knob.name], target, config)
     pipe = build_pipeline(spec, dtype=DTYPES[config["dtype"]], device=build_device(config, target))
     return apply_config(pipe, config, target)
 
@@ -270,6 +279,7 @@ def build_configured(spec, config: Config, target: Target):
 __all__ = [
     "APPLIED",
     "APPLY_ORDER",
+    "BEFORE_BUILD",
     "CATALOGUE",
     "CONFLICTS",
     "Config",

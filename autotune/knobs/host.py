@@ -1,0 +1,78 @@
+"""The host's memory allocator: glibc's mmap threshold, which decides whether freed blocks leave
+the process or stay on its heap.
+
+glibc gives a block of at least the threshold its own mapping, returned to the system when freed,
+and serves smaller ones from its heap, which keeps what is freed for reuse. The threshold starts
+at 128 KiB and, by default, rises to the size of each mapped block freed (up to 32 MiB), so after
+the first large tensors are freed, later ones of that size land on the heap. Where a pipeline
+copies and frees large weights (inductor freezing folds and prepacks every weight), the heap then
+keeps those copies' holes and the process's peak grows by them.
+
+Measured on this project's 2-core CPU (benchmarks/results/measurement_stability.md, one run, 3
+trials each): SD1.5 at 128x128 with int8 dynamic quantization, compiled and frozen, peaked at
+4.70 GiB with glibc's default, 3.84 GiB held at 1 MiB and 3.91 GiB at 4 MiB, its calls 10-15%
+slower held. Held only after the pipeline was built, 1 MiB gave 4.52 GiB: the weights as loaded,
+freed when quantized, left their holes on the heap. A held threshold costs page faults for each
+block above it that a call allocates afresh, so which one wins is measured like any other knob.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+import warnings
+
+from .base import Knob
+
+THRESHOLDS = {"1MiB": 1 << 20, "4MiB": 4 << 20}
+_M_MMAP_THRESHOLD = -3  # malloc.h
+_held: str | None = None  # what this process's threshold was held at by autotune, if it was
+_warned = False
+
+
+def _mallopt():
+    """glibc's mallopt, or None where the C library is not glibc (musl, macOS, Windows)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+
+
+def _unavailable(value, target):
+    if value == "dynamic":
+        return None
+    if target.is_cuda:
+        return "on a GPU the budget is device memory, and this changes host memory only"
+    if _mallopt() is None:
+        return f"mallopt's M_MMAP_THRESHOLD is glibc's (this C library: {platform.libc_ver()[0] or platform.system()})"
+    return None
+
+
+def _apply(pipe, value, target, config):
+    # Process-wide, for every block allocated from this call on: knobs.build_configured calls it
+    # before it builds the pipeline (knobs.BEFORE_BUILD), so the weights as loaded follow it too.
+    global _held, _warned
+    if value == "dynamic":
+        if _held is not None and not _warned:
+            # glibc has no call that gives back its rising threshold once one was held.
+            _warned = True
+            warnings.warn(f"glibc's mmap threshold stays held at {_held} in this process, held by a "
+                          "configuration applied before; this one was measured with glibc's default",
+                          stacklevel=2)
+        return
+    mallopt = _mallopt()
+    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, THRESHOLDS[value]) != 1:
+        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {THRESHOLDS[value]}) failed")
+    _held = value
+
+
+MALLOC_MMAP_THRESHOLD = Knob(
+    name="malloc_mmap_threshold",
+    choices=("dynamic", *THRESHOLDS),
+    default="dynamic",
+    help="hold glibc's mmap threshold (mallopt), so that freed host blocks above it go back to the "
+    "system instead of staying on the heap: a lower, steadier peak where weights are copied and freed "
+    "(freezing), page faults for every block above it a call allocates; process-wide",
+    apply=_apply,
+    unavailable=_unavailable,
+)
