@@ -304,15 +304,16 @@ class Profile:
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
-        for knob in BEFORE_BUILD:
-            if config[knob.name] != knob.default:
-                warnings.warn(f"{knob.name}={config[knob.name]} holds from now on, but the trial held it before "
-                              "the pipeline was built, and its weights as loaded follow it too: load with "
-                              "profile.load_pipeline() to get the measured peak", stacklevel=2)
         try:
-            return apply_config(pipe, config, target)
+            pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # a pipeline configured already: this profile's error, for callers
             raise ProfileError(str(exc)) from None
+        for knob in BEFORE_BUILD:
+            if config[knob.name] != knob.default:
+                warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
+                              "the weights as loaded followed it; this pipeline was loaded before, so its peak "
+                              "may exceed the measured one: use profile.load_pipeline()", stacklevel=2)
+        return pipe
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;

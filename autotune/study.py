@@ -554,7 +554,8 @@ def _shown(key: str, value) -> str:
 
 def _space_difference(held: dict, asked: dict) -> str:
     changed = sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
-    return f"the search space ({', '.join(changed)} searched differently: resume with the same --space)"
+    return (f"the search space ({', '.join(changed)} searched differently: resume with the --space it was "
+            "measured under; an autotune update may have changed its shipped spaces)")
 
 
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:

@@ -28,9 +28,10 @@ freed, which is how the peaks' spread was traced to where glibc places blocks
 `--random-weights` with `--height/--width/--steps` a full-size architecture: how the peak of a
 frozen SD1.5 stack was traced to glibc's heap, and the `malloc_mmap_threshold` knob measured:
 
+    C='"dtype": "bfloat16", "quantize": "int8dq", "compile": "default", "compile_freezing": true'
     python benchmarks/measurement_stability.py --model sd15 --random-weights --height 128 --width 128 \
-        --steps 2 --trials 3 --config 'int8dq-frozen={"dtype": "bfloat16", ...}' \
-        --config 'int8dq-frozen-1MiB={"dtype": "bfloat16", ..., "malloc_mmap_threshold": "1MiB"}'
+        --steps 2 --trials 3 --config "int8dq-frozen={$C}" \
+        --config "int8dq-frozen-1MiB={$C, \"malloc_mmap_threshold\": \"1MiB\"}"
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pathlib import Path
 import torch
 
 from autotune import runner, worker
-from autotune.knobs import Target, baseline, build_configured
+from autotune.knobs import Target, baseline, build_configured, complete
 from autotune.models import resolve_model
 
 CONFIGS = {
@@ -114,7 +115,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                         help="fix glibc's mmap threshold in the trials, not in this process's --control "
-                             "(MALLOC_MMAP_THRESHOLD_); default: glibc's own")
+                             "(MALLOC_MMAP_THRESHOLD_; the malloc_mmap_threshold knob in a --config holds it in "
+                             "--control too); default: glibc's own")
     args = parser.parse_args()
     if args.malloc_mmap_threshold is not None:  # before the first trial starts the fork server, which passes it on
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -127,12 +129,18 @@ def main() -> None:
         configs = {}
         for item in args.config:
             name, _, text = item.partition("=")
+            if name in configs:
+                parser.error(f"--config {name}: given twice")
             try:
                 configs[name] = json.loads(text)
             except json.JSONDecodeError as e:
                 parser.error(f"--config {name}: not JSON ({e})")
             if not name or not isinstance(configs[name], dict):
                 parser.error(f"--config takes NAME={{\"knob\": choice, ...}}, not {item!r}")
+            try:
+                complete(configs[name])
+            except ValueError as e:
+                parser.error(f"--config {name}: {e}")
     if args.series:
         return series(spec, workload, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}

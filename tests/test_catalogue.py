@@ -7,10 +7,13 @@ value, never applied); tests/gpu/test_knobs_gpu.py applies them for real on a GP
 """
 
 import copy
+import ctypes
 import itertools
+import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -608,7 +611,8 @@ def test_a_false_global_flag_puts_back_what_the_process_had(inductor_config):
 # A child process: the threshold, once held, stays held for the rest of the process (glibc has
 # no call that gives back its rising threshold). It reads glibc's own count of bytes in mapped
 # blocks (mallinfo2's hblkhd) around a 2 MiB allocation made after a 16 MiB block was freed, which
-# with glibc's default raises the threshold above 2 MiB.
+# with glibc's default raises the threshold above 2 MiB. (A free heap chunk of 2 MiB would serve
+# it under any threshold; after building a tiny pipeline glibc's heap holds a few hundred KiB free.)
 _MAPPED_AFTER_A_FREE = """
 import ctypes, sys, torch
 sys.path.insert(0, {tests!r})
@@ -639,12 +643,20 @@ print(mallinfo2().hblkhd - before)
 """
 
 
+def _child_env(**extra) -> dict:
+    """This environment without what would set glibc's allocator from outside the test."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")}
+    return {**env, **extra}
+
+
 @pytest.mark.parametrize("value, mapped", [("dynamic", False), ("1MiB", True), ("4MiB", False)])
 def test_malloc_mmap_threshold_holds_glibcs_threshold(value, mapped):
     if CATALOGUE["malloc_mmap_threshold"].unavailable("1MiB", cpu("sd15")):
-        pytest.skip("the C library is not glibc")
+        pytest.skip("no glibc malloc in this process")
+    if not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("glibc before 2.33: no mallinfo2")
     code = _MAPPED_AFTER_A_FREE.format(tests=str(Path(__file__).parent), value=value)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_child_env())
     assert out.returncode == 0, out.stderr[-2000:]
     held_at_build, grew = out.stdout.strip().splitlines()[-2:]
     # held before the weights were allocated, so that they follow it too
@@ -653,6 +665,26 @@ def test_malloc_mmap_threshold_holds_glibcs_threshold(value, mapped):
     # 2 MiB gets its own mapping only below a threshold held at 1 MiB; glibc's default has risen
     # to 16 MiB, and a threshold held at 4 MiB keeps it on the heap
     assert (grew >= 2 << 20) if mapped else (grew == 0), (value, grew)
+
+
+def test_malloc_mmap_threshold_is_dropped_where_another_allocator_takes_malloc(tmp_path):
+    """jemalloc or tcmalloc preloaded (common in serving images) takes every malloc; glibc's
+    mallopt would still say yes. A real preloaded allocator, built here: one that forwards to glibc."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or CATALOGUE["malloc_mmap_threshold"].unavailable("1MiB", cpu("sd15")):
+        pytest.skip("needs a C compiler and glibc")
+    source = tmp_path / "forward.c"
+    source.write_text("#include <stddef.h>\nextern void *__libc_malloc(size_t);\n"
+                      "void *malloc(size_t n) { return __libc_malloc(n); }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "forward.so"), str(source)], check=True)
+    code = ("from autotune.knobs import CATALOGUE, Target; "
+            "print(CATALOGUE['malloc_mmap_threshold'].unavailable('1MiB', Target('cpu', 'sd15')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=_child_env(LD_PRELOAD=str(tmp_path / "forward.so")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "this process's malloc is not glibc's (an allocator preloaded in front of it)"
 
 
 def test_malloc_mmap_threshold_is_host_only_and_warns_where_it_cannot_be_undone(monkeypatch):
@@ -666,12 +698,14 @@ def test_malloc_mmap_threshold_is_host_only_and_warns_where_it_cannot_be_undone(
     monkeypatch.setattr(host, "_warned", False)
     with pytest.warns(UserWarning, match="stays held at 1MiB"):
         knob.apply(None, "dynamic", cpu("sd15"), baseline())
+    # nothing held by autotune: nothing to say
     monkeypatch.setattr(host, "_held", None)
-    import warnings
-
+    monkeypatch.setattr(host, "_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         knob.apply(None, "dynamic", cpu("sd15"), baseline())
+        knob.apply(None, "1MiB", cuda("sdxl"), baseline())  # a CPU profile's choice on a GPU: not held
+    assert host._held is None
 
 
 def test_tracing_is_documented_as_superseded():

@@ -1,10 +1,11 @@
 """The knob catalogue and the one function that applies a configuration.
 
 A configuration is a flat dict {knob name: choice}. `apply_config` is the only code that turns one
-into pipeline state; trial workers and production (`Profile.apply`) both call it.
+into pipeline state; trial workers and production (`Profile.apply`) both call it. `build_configured`
+(trials, `Profile.load_pipeline`) first holds the process settings of BEFORE_BUILD, then builds and
+calls it.
 
-Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: the host allocator's
-setting (held before the pipeline is built, see BEFORE_BUILD); dtype, the VAE swap
+Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
 and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
 fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
 moves to the device (so the device never holds the weights before they are rewritten); layout and the attention
@@ -30,13 +31,15 @@ from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
 from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
 
 APPLY_ORDER: tuple[Knob, ...] = (
-    MALLOC_MMAP_THRESHOLD,
     DTYPE,
     VAE_FP16_FIX,  # a component swap: before anything changes the VAE's modules
     TF32,
     CUDNN_BENCHMARK,
     FUSE_QKV,
     QUANTIZE,
+    # held before the pipeline is built (BEFORE_BUILD); here after QUANTIZE, so that a space can
+    # search it only where quantization frees the weights as loaded
+    MALLOC_MMAP_THRESHOLD,
     QUANTIZE_TEXT_ENCODERS,
     LAYERWISE_CASTING,
     CHANNELS_LAST,

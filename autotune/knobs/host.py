@@ -10,8 +10,8 @@ keeps those copies' holes and the process's peak grows by them.
 
 Measured on this project's 2-core CPU (benchmarks/results/measurement_stability.md, one run, 3
 trials each): SD1.5 at 128x128 with int8 dynamic quantization, compiled and frozen, peaked at
-4.70 GiB with glibc's default, 3.84 GiB held at 1 MiB and 3.91 GiB at 4 MiB, its calls 10-15%
-slower held. Held only after the pipeline was built, 1 MiB gave 4.52 GiB: the weights as loaded,
+4.70 GiB with glibc's default, 3.84 GiB held at 1 MiB and 3.91 GiB at 4 MiB, its calls about
+7-15% slower held (within the VM's drift). Held only after the pipeline was built, 1 MiB gave 4.52 GiB: the weights as loaded,
 freed when quantized, left their holes on the heap. A held threshold costs page faults for each
 block above it that a call allocates afresh, so which one wins is measured like any other knob.
 """
@@ -23,6 +23,7 @@ import ctypes.util
 import platform
 import warnings
 
+from ..errors import AutotuneError
 from .base import Knob
 
 THRESHOLDS = {"1MiB": 1 << 20, "4MiB": 4 << 20}
@@ -31,11 +32,17 @@ _held: str | None = None  # what this process's threshold was held at by autotun
 _warned = False
 
 
-def _mallopt():
-    """glibc's mallopt, or None where the C library is not glibc (musl, macOS, Windows)."""
+def _glibc():
+    """This process's glibc, or the reason it has none whose mallopt decides its allocations."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        return None, f"mallopt's M_MMAP_THRESHOLD is glibc's (this C library: {platform.libc_ver()[0] or platform.system()})"
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    # An allocator preloaded in front of glibc's (LD_PRELOAD of jemalloc or tcmalloc, common in
+    # serving images) takes every malloc: glibc's mallopt would still say yes and change nothing.
+    in_use = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    if in_use != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+        return None, "this process's malloc is not glibc's (an allocator preloaded in front of it)"
+    return libc, None
 
 
 def _unavailable(value, target):
@@ -43,9 +50,7 @@ def _unavailable(value, target):
         return None
     if target.is_cuda:
         return "on a GPU the budget is device memory, and this changes host memory only"
-    if _mallopt() is None:
-        return f"mallopt's M_MMAP_THRESHOLD is glibc's (this C library: {platform.libc_ver()[0] or platform.system()})"
-    return None
+    return _glibc()[1]
 
 
 def _apply(pipe, value, target, config):
@@ -60,9 +65,13 @@ def _apply(pipe, value, target, config):
                           "configuration applied before; this one was measured with glibc's default",
                           stacklevel=2)
         return
-    mallopt = _mallopt()
-    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, THRESHOLDS[value]) != 1:
-        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {THRESHOLDS[value]}) failed")
+    if target.is_cuda:  # a CPU profile's choice, loaded onto a GPU: device memory is what counts there
+        return
+    libc, why_not = _glibc()
+    if libc is None:
+        raise AutotuneError(f"malloc_mmap_threshold={value} cannot be held here: {why_not}")
+    if libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLDS[value]) != 1:
+        raise AutotuneError(f"malloc_mmap_threshold={value}: glibc's mallopt refused {THRESHOLDS[value]} bytes")
     _held = value
 
 
@@ -70,9 +79,9 @@ MALLOC_MMAP_THRESHOLD = Knob(
     name="malloc_mmap_threshold",
     choices=("dynamic", *THRESHOLDS),
     default="dynamic",
-    help="hold glibc's mmap threshold (mallopt), so that freed host blocks above it go back to the "
-    "system instead of staying on the heap: a lower, steadier peak where weights are copied and freed "
-    "(freezing), page faults for every block above it a call allocates; process-wide",
+    help="hold glibc's mmap threshold (mallopt) before the pipeline is built, so that freed host blocks "
+    "above it go back to the system instead of staying on the heap: a lower peak where quantization "
+    "frees the weights as loaded, page faults for every block above it a call allocates; process-wide",
     apply=_apply,
     unavailable=_unavailable,
 )
