@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from autotune import AutotuneError
 from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
 from autotune.models import build_pipeline, resolve_model
 from autotune.space import SHIPPED_DIR, SearchSpace
@@ -706,6 +707,11 @@ def test_malloc_mmap_threshold_is_host_only_and_warns_where_it_cannot_be_undone(
         knob.apply(None, "dynamic", cpu("sd15"), baseline())
         knob.apply(None, "1MiB", cuda("sdxl"), baseline())  # a CPU profile's choice on a GPU: not held
     assert host._held is None
+    # A C library other than glibc cannot exist in this process: its answer is scripted here.
+    monkeypatch.setattr(host, "_glibc", lambda: (None, "mallopt's M_MMAP_THRESHOLD is glibc's (this C library: musl)"))
+    assert knob.unavailable("1MiB", cpu("sd15")) == "mallopt's M_MMAP_THRESHOLD is glibc's (this C library: musl)"
+    with pytest.raises(AutotuneError, match=r"^malloc_mmap_threshold=1MiB cannot be held here: mallopt's "):
+        knob.apply(None, "1MiB", cpu("sd15"), baseline())
 
 
 def test_tracing_is_documented_as_superseded():
