@@ -350,6 +350,16 @@ def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path
     assert words.get_bbox_patch() is not None and words.get_zorder() > line.get_zorder()
 
 
+def cpu_study(label, budget_bytes, margin_bytes, points, front, best):
+    """A report.StudyData of one budget on a CPU, built from points (its baseline among them)."""
+    from autotune import report
+
+    baseline = next(p for p in points if p.baseline)
+    return report.StudyData(label=label, name=label, storage=None, model={}, workload={}, device="cpu",
+                            budget_bytes=budget_bytes, margin_bytes=margin_bytes, points=points, front=front,
+                            best=best, baseline=baseline)
+
+
 def test_best_vs_budget_keeps_a_narrow_front_readable():
     # two configs 0.03 ms apart filled the axis top to bottom, with no tick labels (a log scale
     # chosen for a slow float16 trial the chart does not draw), and the label ran off the right edge
@@ -362,9 +372,7 @@ def test_best_vs_budget_keeps_a_narrow_front_readable():
     kept = report.Point(2, {"dtype": "bfloat16"}, 0.09233, 516 * MiB)
     slow = report.Point(3, {"dtype": "float16"}, 4.1, 600 * MiB, feasible=False)
     base = report.Point(0, {}, 0.35, 520 * MiB, baseline=True)
-    study = report.StudyData(label="s", name="s", storage=None, model={}, workload={}, device="cpu",
-                             budget_bytes=545 * MiB, margin_bytes=27 * MiB, points=[base, fast, kept, slow],
-                             front=[fast], best=kept, baseline=base)
+    study = cpu_study("s", 545 * MiB, 27 * MiB, points=[base, fast, kept, slow], front=[fast], best=kept)
     fig = report.plot_best_vs_budget([study])
     ax = fig.axes[0]
     low, high = ax.get_ylim()
@@ -386,9 +394,7 @@ def test_budget_labels_of_studies_with_one_budget_and_close_latencies_do_not_cov
     for label, latency in (("a10", 0.500), ("l4", 0.501), ("t4", 0.502)):
         base = report.Point(0, {}, 1.0, 900 * MiB, baseline=True)
         best = report.Point(1, {"dtype": "bfloat16"}, latency, 600 * MiB)
-        studies.append(report.StudyData(label=label, name=label, storage=None, model={}, workload={}, device="cpu",
-                                         budget_bytes=1024 * MiB, margin_bytes=50 * MiB, points=[base, best],
-                                         front=[best], best=best, baseline=base))
+        studies.append(cpu_study(label, 1024 * MiB, 50 * MiB, points=[base, best], front=[best], best=best))
     fig = report.plot_best_vs_budget(studies)
     renderer = FigureCanvasAgg(fig).get_renderer()
     boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
