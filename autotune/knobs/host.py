@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 import warnings
 
@@ -35,6 +36,7 @@ _held: str | None = None  # what this process's threshold was held at by autotun
 _warned = False
 
 
+@functools.cache  # a process's C library and its malloc do not change; asked for each space and apply
 def _glibc():
     """This process's glibc, or the reason it has none whose mallopt decides its allocations."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
