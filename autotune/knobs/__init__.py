@@ -63,6 +63,7 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in APPLY_ORDER}
 BEFORE_BUILD: tuple[Knob, ...] = (MALLOC_MMAP_THRESHOLD,)
 
 _COMPILED = [mode for mode in COMPILE.choices if mode != "none"]
+_QUANTIZED = [kind for kind in QUANTIZE.choices if kind != "none"]
 
 # Combinations that are valid one by one but not together, as (partial config, reason). A value
 # may be a list: any of its elements matches. The key "family" narrows a rule to model families
@@ -83,8 +84,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"dtype": ["float32", "float16"], "quantize": ["float8dq", "int4wo"]},
      "torchao's float8 row-wise and int4 tinygemm quantization take bfloat16 weights only"),
     # both rewrite the denoiser's weights
-    ({"quantize": ["int8wo", "int8dq", "int8dq-filtered", "float8dq", "int4wo"],
-      "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+    ({"quantize": _QUANTIZED, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "quantization and fp8 layerwise casting both rewrite the denoiser's weights: choose one"),
     # fullgraph cannot trace through hooks
     ({"compile_fullgraph": True, "offload": HOOKED},
