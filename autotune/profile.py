@@ -306,7 +306,7 @@ class Profile:
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         try:
             pipe = apply_config(pipe, config, target)
-        except AutotuneError as exc:  # a pipeline configured already: this profile's error, for callers
+        except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
             raise ProfileError(str(exc)) from None
         for knob in BEFORE_BUILD:
             if config[knob.name] != knob.default:

@@ -66,6 +66,19 @@ def machine_probe() -> float:
     return time.perf_counter() - start
 
 
+def named_config(item: str) -> tuple[str, dict]:
+    """NAME={"knob": choice, ...} as (name, config); ValueError says what is wrong with it."""
+    name, _, text = item.partition("=")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not NAME=JSON ({e})") from None
+    if not name or not isinstance(config, dict):
+        raise ValueError('takes NAME={"knob": choice, ...}')
+    complete(config)  # an unknown knob or choice: its ValueError
+    return name, config
+
+
 def in_process_call(spec, workload, configs, args):
     """A function timing one call of the first configuration, built once in this process."""
     torch.set_num_threads(args.threads)
@@ -128,19 +141,13 @@ def main() -> None:
     if args.config:
         configs = {}
         for item in args.config:
-            name, _, text = item.partition("=")
+            try:
+                name, config = named_config(item)
+            except ValueError as e:
+                parser.error(f"--config {item!r}: {e}")
             if name in configs:
                 parser.error(f"--config {name}: given twice")
-            try:
-                configs[name] = json.loads(text)
-            except json.JSONDecodeError as e:
-                parser.error(f"--config {name}: not JSON ({e})")
-            if not name or not isinstance(configs[name], dict):
-                parser.error(f"--config takes NAME={{\"knob\": choice, ...}}, not {item!r}")
-            try:
-                complete(configs[name])
-            except ValueError as e:
-                parser.error(f"--config {name}: {e}")
+            configs[name] = config
     if args.series:
         return series(spec, workload, configs, args)
     medians: dict[str, list[float]] = {name: [] for name in configs}
