@@ -12,7 +12,7 @@ Measured on this project's 2-core CPU (benchmarks/results/measurement_stability.
 each, the configs alternating): SD1.5 at 128x128 with int8 dynamic quantization, compiled and
 frozen, peaked at 4.70 GiB with glibc's default, 3.84 GiB held at 1 MiB and 3.91 GiB at 4 MiB, its
 calls about 7-15% slower held (within the VM's drift). Uncompiled, bf16 with int8 weight-only or
-dynamic quantization peaked 0.6-0.66 GiB lower held at 1 MiB and ran 1.7-2x slower: torchao's
+dynamic quantization peaked 0.58-0.66 GiB lower held at 1 MiB and ran 1.8-2x slower: torchao's
 int8 layers make a weight-sized temporary at each call, each a fresh mapping when held. Held only
 after the pipeline was built, the frozen stack gave 4.52 GiB: the weights as loaded, freed when
 quantized, left their holes on the heap. Which one wins under a budget is measured like any other
