@@ -471,8 +471,6 @@ def _tune(args, argv: list[str]) -> int:
 
         _check_not_the_storage(output, storage)
         check_writable(output)
-        if not args.output:
-            _check_default_output_is_this_studys(output, study_name)
     workdir = args.workdir / "trials" / study_name
 
     request = TuneRequest(
@@ -487,8 +485,15 @@ def _tune(args, argv: list[str]) -> int:
         warm_start=_warm_start_configs(args.warm_start, storage, spec.name),
         hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
     )
+    earlier = {} if args.study_name else _earlier_studies(request)
+    if not args.no_profile and not args.output:
+        _check_default_output_is_this_studys(output, study_name, earlier)
     out = console.terminal()
     console.print_header(out, request, space)
+    for name, (trials, differences) in earlier.items():
+        out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same model, "
+                  f"size and budget, measured under other settings ({differences}): this run starts a new "
+                  f"study; --warm-start {name} would measure that study's best configurations first")
     if args.gpus:
         return _tune_on_gpus(out, request, args, argv, output)
     try:
@@ -528,9 +533,11 @@ def default_profile_path(spec, budget: int) -> Path:
     return Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
 
 
-def _check_default_output_is_this_studys(output: Path, study_name: str) -> None:
+def _check_default_output_is_this_studys(output: Path, study_name: str,
+                                        earlier: dict[str, tuple[int, str]] | None = None) -> None:
     """The default name says model and budget only: a run of another workload, seed or threshold
-    would silently replace the profile a server may be loading. Refused before the search."""
+    would silently replace the profile a server may be loading. Refused before the search, saying
+    what differs where the profile's study is one of `earlier` (_earlier_studies)."""
     from .errors import AutotuneError
     from .profile import load_profile
 
@@ -541,8 +548,40 @@ def _check_default_output_is_this_studys(output: Path, study_name: str) -> None:
     except (AutotuneError, KeyError, TypeError):
         return  # not a profile autotune can read: nothing a server could load is lost
     if held != study_name:
-        raise AutotuneError(f"{output} holds the profile of another run (study {held}); this run is "
+        differences = (earlier or {}).get(held)
+        why = f", measured under other settings ({differences[1]})" if differences else ""
+        raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
                             f"study {study_name}: name its profile with -o, or move the file away")
+
+
+def _earlier_studies(request) -> dict[str, tuple[int, str]]:
+    """Studies in the request's storage whose default name says the same model, device, budget,
+    size, steps and batch as this new, default-named one, but whose settings differ (another
+    digest: after an autotune update that changed the shipped space, the same command starts a
+    new study): name -> (measured trials, what differs). Empty when this study exists already,
+    or the storage holds nothing yet."""
+    import optuna
+
+    from .errors import AutotuneError
+    from .study import differences_from, summarize
+
+    prefix = request.study_name.rsplit("-", 1)[0] + "-"
+    try:
+        backend = open_storage(request.storage, existing=True)
+        names = optuna.get_all_study_names(backend)
+    except AutotuneError:
+        return {}  # no storage file yet: nothing earlier
+    if request.study_name in names:
+        return {}  # a resume
+    out = {}
+    for name in names:
+        if not name.startswith(prefix) or len(name) != len(request.study_name):
+            continue
+        other = optuna.load_study(study_name=name, storage=backend)
+        differences = differences_from(other, request)
+        if differences:
+            out[name] = (sum(r.duplicate_of is None for r in summarize(other).records), differences)
+    return out
 
 
 def _check_study_name(name: str) -> None:

@@ -538,14 +538,27 @@ def _defining(request: dict) -> dict:
 
 def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
     held = study.user_attrs.get("request") or {}
-    wanted = _defining(asked)
-    differ = [k for k, value in _defining(held).items() if value != wanted[k]]
-    if differ:
-        shown = "; ".join(_space_difference(held[k], asked[k]) if k == "space" else
-                          f"{k.removesuffix('_bytes')} {_shown(k, held[k])} there, {_shown(k, asked[k])} here"
-                          for k in differ)
+    shown = request_differences(held, asked)
+    if shown:
+        space = (" (or resume with the --space it was measured under)"
+                 if _defining(held).get("space") != _defining(asked).get("space") else "")
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
-                            "its trials do not mix with these; use another --study-name")
+                            f"its trials do not mix with these; use another --study-name{space}")
+
+
+def request_differences(held: dict, asked: dict) -> str:
+    """What differs, of what a study's measurements mean (DEFINING), between the request `held`
+    by a study and the one `asked` (each as _request_attr writes it): "" when nothing does."""
+    wanted = _defining(asked)
+    differ = [k for k, value in _defining(held).items() if value != wanted.get(k)]
+    return "; ".join(_space_difference(held[k], asked[k]) if k == "space" else
+                     f"{k.removesuffix('_bytes')} {_shown(k, held[k])} there, {_shown(k, asked.get(k))} here"
+                     for k in differ)
+
+
+def differences_from(study: optuna.Study, req: TuneRequest) -> str:
+    """request_differences between what `study` was measured under and `req`."""
+    return request_differences(study.user_attrs.get("request") or {}, _request_attr(req))
 
 
 def _shown(key: str, value) -> str:
@@ -554,8 +567,8 @@ def _shown(key: str, value) -> str:
 
 def _space_difference(held: dict, asked: dict) -> str:
     changed = sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
-    return (f"the search space ({', '.join(changed)} searched differently: resume with the --space it was "
-            "measured under; an autotune update may have changed its shipped spaces)")
+    return (f"the search space ({', '.join(changed)} searched differently; an autotune update may have "
+            "changed its shipped spaces)")
 
 
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:

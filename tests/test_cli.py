@@ -644,6 +644,31 @@ def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, conf
     return path
 
 
+@pytest.mark.slow
+def test_a_changed_space_says_what_changed_and_names_the_earlier_study(cli, tmp_path):
+    """After an update that changes the shipped space, the same command makes another default
+    study name (the space is part of it): its profile is refused, as any other run's, saying that
+    the space is what differs, and the new study starts with a note naming the earlier one, whose
+    trials --warm-start can reuse. Here the space file is edited, as an update would edit it."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    assert cli(*CHEAP, "--vram", "2GB").returncode == 0
+    (earlier,) = [d.name for d in (tmp_path / "autotune-studies" / "trials").iterdir()]
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE + "  fuse_qkv: [false, true]\n")
+    line = one_line_error(cli(*CHEAP, "--vram", "2GB"))
+    assert line.startswith(f"autotune: error: tiny-sd15-2GB.yaml holds the profile of another run (study {earlier}, "
+                           "measured under other settings (the search space (fuse_qkv searched differently"), line
+    proc = cli(*CHEAP, "--vram", "2GB", "-o", "new.yaml")
+    assert proc.returncode == 0, proc.stderr
+    note = " ".join(proc.stdout.split())  # rich wraps long lines
+    assert (f"note: this storage holds study {earlier} (1 measured trial) of the same model, size and budget, "
+            "measured under other settings (the search space (fuse_qkv searched differently") in note, note
+    assert f"--warm-start {earlier} would measure" in note
+    # resumed: its own study, no note
+    proc = cli(*CHEAP, "--vram", "2GB", "-o", "new.yaml")
+    assert proc.returncode == 0 and "note: this storage holds" not in proc.stdout
+
+
+
 def _no_cuda():
     from autotune.fingerprint import cuda_available
 
