@@ -34,6 +34,13 @@ _watch = threading.Thread(target=_exit_if_orphaned, name="autotune-preload-watch
 _watch.start()
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# diffusers imports xformers.ops where xFormers is installed, and that import asks whether its
+# Triton split-K kernel may run: torch.cuda.get_device_capability(), which initializes CUDA
+# (xformers/__init__.py, _is_triton_available, 0.0.35). Asked not to, it answers without the
+# device. That kernel serves decoding-shaped attention only (multi-query keys, at most 32 queries:
+# xformers/ops/fmha/dispatch.py), never a diffusion model's, so the trials measure what a
+# production process runs.
+os.environ.setdefault("XFORMERS_FORCE_DISABLE_TRITON", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 

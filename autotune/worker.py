@@ -326,11 +326,12 @@ def forked_main(request_path: str, result_path: str, log_path: str, parent: str 
     end_with_parent(parent)
     request = json.loads(Path(request_path).read_text())
     if request["device"].startswith("cuda") and torch.cuda._is_in_bad_fork():
-        # The server initialised CUDA while preloading (xFormers' import asks for the device's
-        # capability), and a CUDA context does not survive fork: say so, not "Cannot re-initialize".
+        # A library initialised CUDA while the server preloaded it (preload.py keeps xFormers
+        # from it; another may), and a CUDA context does not survive fork: say so, not "Cannot
+        # re-initialize".
         result = {"status": UNSUPPORTED, "threads": request["threads"],
                   "error": "the fork launcher cannot run CUDA trials here: importing the libraries "
-                           "initialised CUDA in the fork server (xFormers does); use --launcher spawn"}
+                           "initialised CUDA in the fork server; use --launcher spawn"}
     else:
         result = run(request, started, host_extra_bytes=unmapped)
     write_json(Path(result_path), result)

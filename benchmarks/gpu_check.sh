@@ -3,7 +3,8 @@
 # OUT even when stopped at their limit (every stage runs under `timeout`, and the benchmarks write
 # as they go). From the project root, with autotune importable (installed, or on PYTHONPATH):
 #
-#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but compile and pairs, cut at 560 s in all; log, JUnit XML
+#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but workers, compile and pairs, cut at 560 s in all; log, JUnit XML
+#   bash benchmarks/gpu_check.sh OUT workers   # tests/gpu's CLI runs on CUDA (--gpus, verify, fork launcher), 560 s
 #   bash benchmarks/gpu_check.sh OUT compile   # tests/gpu's compile tests, cut at 560 s
 #   bash benchmarks/gpu_check.sh OUT pairs     # tests/gpu's pair test (every pair of each family's space), 560 s
 #   bash benchmarks/gpu_check.sh OUT memory    # gpu_memory.py, SDXL 1024x1024, 10 steps, cut at 540 s
@@ -14,7 +15,7 @@
 # `tune` stops short of the compiled seeds: a cold max-autotune compile of SDXL's UNet took over
 # 180 s on an H100. The full comparison (#8) needs a longer visit: versus_hand_tuning.py --device cuda.
 set -u
-usage="usage: gpu_check.sh OUT suite|compile|pairs|memory|tune|versus"
+usage="usage: gpu_check.sh OUT suite|workers|compile|pairs|memory|tune|versus"
 out=${1:?$usage}
 stage=${2:?$usage}
 mkdir -p "$out"
@@ -39,12 +40,17 @@ case $stage in
 suite)
     # The memory tests one at a time: where the driver lists no process (a container without the
     # host's PID namespace) NVML's figure is the whole device's, which parallel tests would move.
-    serial="tests/gpu/test_cuda.py tests/gpu/test_gpu_workers.py"
-    timeout -s INT 280 $py -m pytest $serial -q -rsP --timeout 200 --durations 10 \
+    timeout -s INT 280 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
     timeout -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
         -n 6 --dist worksteal --timeout 250 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
         2>&1 | tee -a "$out/gpu-tests.log"
+    ;;
+workers)
+    # apart: four whole CLI studies, each trial a fresh interpreter importing torch and diffusers;
+    # serial, as the memory tests above
+    timeout -s INT 560 $py -m pytest tests/gpu/test_gpu_workers.py -q -rsP --timeout 300 --durations 10 \
+        --junitxml "$out/gpu-tests-workers.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests-workers.log"
     ;;
 compile|pairs)
     # apart: each holds tests of minutes (cold compiles; several hundred configs per family)
