@@ -24,7 +24,7 @@ import yaml
 from . import fingerprint
 from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete
+from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete, unrunnable
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -304,6 +304,7 @@ class Profile:
             raise ProfileError(f"this profile was measured on a {expected}; apply it to one, not to "
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
+        self._check_runs(config, target)
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
@@ -318,7 +319,18 @@ class Profile:
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;
         `budget_bytes` (bytes, or a size such as "6GB") picks it as `choose` does."""
-        return build_configured(self.model, self.choose(budget_bytes)["config"], self._target(device))
+        config, target = self.choose(budget_bytes)["config"], self._target(device)
+        self._check_runs(config, target)  # before the build: a full-size model loads for minutes
+        return build_configured(self.model, config, target)
+
+    def _check_runs(self, config: dict, target: Target) -> None:
+        """ProfileError naming each choice that cannot run here, with its reason: else the first one
+        met fails inside diffusers, torchao or accelerate with a message that names none of them."""
+        reasons = unrunnable(config, target)
+        if reasons:
+            measured = self.data["machine"]
+            raise ProfileError(f"this profile's configuration cannot run on {target.device} here (it was measured on "
+                               f"{measured['device']}, {measured.get('name', 'unknown')}): {'; '.join(reasons)}")
 
     def mismatches(self) -> list[str]:
         machine = self.data["machine"]

@@ -14,7 +14,7 @@ import yaml
 
 from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, fingerprint, load_profile
 from autotune import profile as profile_io
-from autotune.knobs import baseline
+from autotune.knobs import APPLIED, baseline
 from autotune.models import resolve_model
 from helpers import run_cli
 
@@ -128,6 +128,36 @@ def test_apply_says_a_setting_held_before_the_build_now_holds_only_from_now_on(w
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*the trial held it before building")
         profile.load_pipeline()  # holds it before it builds, as the trial did
+
+
+def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build(tmp_path, monkeypatch):
+    """A profile's choices that cannot run on this machine (CUDA-only on a CPU, a package missing,
+    one GPU for a balanced placement) failed inside diffusers, torchao or accelerate: a
+    ZeroDivisionError for balanced placement, accelerate's TypeError for sequential offload. Now one
+    ProfileError names each with the reason the search drops it for, before any weight is loaded."""
+    from autotune import models
+    from autotune.models import build_pipeline
+
+    doc = document()
+    doc["best"]["config"].update(offload="sequential", placement="balanced", quantize="int4wo", tf32=True)
+    doc["pareto"][1] = doc["best"]
+    profile = load_profile(profile_io.save(doc, tmp_path / "gpu.yaml"))
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    built = []
+    monkeypatch.setattr(models, "build_pipeline", lambda *a, **k: built.append(a))
+    for attempt in (profile.load_pipeline, lambda: profile.apply(pipe)):
+        with pytest.raises(ProfileError) as raised:
+            attempt()
+        said = str(raised.value)
+        assert said.startswith("this profile's configuration cannot run on cpu here (it was measured on cpu, ")
+        for choice in ("offload=sequential: CPU offload needs an accelerator", "placement=balanced: balanced placement "
+                       "needs more than one CUDA GPU", "quantize=int4wo: ", "tf32=True: TF32 needs a CUDA GPU"):
+            assert choice in said, said
+    assert not built and not hasattr(pipe, APPLIED)
+    # the choices this machine runs load as before
+    doc["best"]["config"] = dict(document()["best"]["config"])
+    doc["pareto"][1] = doc["best"]
+    assert load_profile(profile_io.save(doc, tmp_path / "cpu.yaml")).apply(pipe) is pipe
 
 
 def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):

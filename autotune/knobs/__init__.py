@@ -215,6 +215,15 @@ def complete(config: Config) -> Config:
     return full
 
 
+def unrunnable(config: Config, target: Target) -> list[str]:
+    """Why each choice of `config` cannot run on `target` ("knob=value: reason"), as the search
+    drops them (SearchSpace.restrict): empty for a config a study measured on this machine. A
+    profile carried to another device or machine, or a package uninstalled since, meets them."""
+    full = complete(config)
+    return [f"{name}={value}: {reason}" for name, value in full.items()
+            if value != CATALOGUE[name].default and (reason := CATALOGUE[name].unavailable(value, target))]
+
+
 # The knobs that rewrite weights: fused into new projections (the separate ones dropped), or put
 # into a smaller storage format. A config that sets one is built on the host and reaches the device
 # only rewritten: loaded to the GPU first, the weights as loaded would set the trial's peak (the
@@ -296,4 +305,5 @@ __all__ = [
     "conflict",
     "matches",
     "rewrites_weights",
+    "unrunnable",
 ]
