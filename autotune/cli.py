@@ -498,7 +498,7 @@ def _tune(args, argv: list[str]) -> int:
         return _tune_on_gpus(out, request, args, argv, output)
     try:
         with console.TrialProgress(out, request.trials) as progress:
-            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed)
+            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
     except KeyboardInterrupt:
         _print_interrupted(storage, study_name)
         return EXIT_INTERRUPTED
@@ -749,7 +749,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     names = _gpu_names(args.gpus)
     with runner.environment(CUDA_VISIBLE_DEVICES=names[args.gpus[0]]):  # the set-up's reference runs here
-        prepare(request)
+        prepare(request, on_step=out.print)
     logs = request.workdir / "workers"
     logs.mkdir(parents=True, exist_ok=True)
     workers = []

@@ -157,6 +157,10 @@ class TrialProgress:
                 desc += f" ({self.baseline.latency_s / self.best.latency_s:.2f}x)"
         self.progress.update(self.task, advance=1, description=desc)
 
+    def step(self, text: str) -> None:
+        """A line for a step that reports no trial (the study's reference calls)."""
+        self.out.print(text)
+
     def confirmed(self, record, entry: dict) -> None:
         """One line per confirmation (a contender measured again in a fresh trial)."""
         if entry["latency_s"] is not None:

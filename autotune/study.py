@@ -592,9 +592,13 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
                             "another tool, or one written by an older autotune)") from None
 
 
-def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
+def prepare(req: TuneRequest, measure: Measure | None = None,
+            on_step: Callable[[str], None] | None = None) -> optuna.Study:
     """Open (or create) the study and set it up once: the device model it holds, the request,
-    the first configs to measure, and the quality guard. Workers joining it later find it ready."""
+    the first configs to measure, and the quality guard. Workers joining it later find it ready.
+    `on_step` hears of the reference calls before they start (minutes for a full-size model on a
+    CPU, before any trial is reported)."""
+    on_step = on_step or (lambda text: None)
     measure = measure or measure_in_child(req)
     study, created = open_study(req.storage, req.study_name, req.seed)
     if req.hardware:
@@ -629,10 +633,13 @@ def prepare(req: TuneRequest, measure: Measure | None = None) -> optuna.Study:
             # Each machine keeps its own reference output (the study may be shared), made again
             # when missing or cut short; the threshold is the study's, set by the first worker
             # to calibrate it.
+            on_step("reference calls: the float32 output the quality guard compares with"
+                    + (", and one bfloat16 call" if guard is None and req.min_psnr_db == "auto" or seeds_in_bfloat16 else ""))
             timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
             if guard is None:
                 study.set_user_attr("quality_guard", timings)
         elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
+            on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
             try:
                 timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
                 study.set_user_attr("precision_probe", timings)
@@ -723,12 +730,13 @@ def tune(
     on_trial: Callable[[TrialRecord], None] | None = None,
     measure: Measure | None = None,
     on_confirm: Callable[[TrialRecord, dict], None] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> StudyOutcome:
     """Run the study until it holds `req.trials` measured trials, `req.timeout_s` has passed, or
     the space is spent. Resumable: the same request continues a study where it stopped. Other
     workers may run the same request against the same storage at the same time."""
     measure = measure or measure_in_child(req)
-    study = prepare(req, measure)
+    study = prepare(req, measure, on_step)
     storage = study._storage  # Optuna keeps no public handle for heartbeats in ask-and-tell
     space = req.space
     guard = study.user_attrs.get("quality_guard")

@@ -288,6 +288,8 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "profile written: tiny-sd15-8GB.yaml" in proc.stdout
     assert "baseline" in proc.stdout and "speedup" in proc.stdout
+    # said before the calls that report no trial (minutes for a full-size model on a CPU)
+    assert "reference calls: the float32 output the quality guard compares with, and one bfloat16 call" in proc.stdout
     trials = study_trials(tmp_path)
     assert len(trials) == 3
     assert trials[0].user_attrs["baseline"] and trials[0].user_attrs["config"]["dtype"] == "float32"
