@@ -35,6 +35,11 @@ from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, mat
 SHIPPED_DIR = Path(str(resources.files("autotune") / "search_spaces"))
 
 
+def shipped_names() -> list[str]:
+    """The shipped spaces' file names, which a space file may extend by name."""
+    return sorted(p.name for p in SHIPPED_DIR.glob("*.yaml"))
+
+
 @dataclass(frozen=True)
 class Dimension:
     name: str
@@ -264,12 +269,14 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         if not isinstance(parent, str):
             raise SpaceError(f"search space {path}: 'extends' takes one file name (a space extends one "
                              f"other, which may extend another), not {parent!r:.60}")
-        parent = path.parent / parent
-        if not parent.exists():  # named with the file that extends it: the user may not know of it
-            shipped = f"; the shipped spaces are in {SHIPPED_DIR}" if (SHIPPED_DIR / data["extends"]).exists() \
-                and parent.resolve() != (SHIPPED_DIR / data["extends"]).resolve() else ""
-            raise SpaceError(f"search space {path}: it extends {parent}: no such file (named relative "
-                             f"to the file that extends it{shipped})")
+        named = parent
+        parent = path.parent / named
+        if not parent.exists() and (SHIPPED_DIR / named).is_file():
+            # a shipped space by its name (a copy of one, edited, extends what the original did)
+            parent = SHIPPED_DIR / named
+        if not parent.exists():
+            raise SpaceError(f"search space {path}: it extends {parent}: no such file (named relative to the "
+                             f"file that extends it, or one of the shipped spaces: {', '.join(shipped_names())})")
         knobs, forbid, seeds = _read_layers(parent, seen + (path.resolve(),))
     # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
     own = {} if data.get("knobs") is None else data["knobs"]

@@ -96,6 +96,20 @@ def test_extends_merges_knobs_and_forbid(tmp_path):
     assert len(space.configs()) == 3
 
 
+def test_a_copy_of_a_shipped_space_extends_what_the_original_did(tmp_path):
+    """sd15.yaml says `extends: default.yaml`: copied elsewhere and edited, it meant a default.yaml
+    beside the copy, which is not there. A name not found beside the file is the shipped space's;
+    one beside it still comes first."""
+    from autotune.space import SHIPPED_DIR
+
+    copy = write(tmp_path, (SHIPPED_DIR / "sd15.yaml").read_text() + "  vae_tiling: [false]\n", "my-sd15.yaml")
+    space, shipped = SearchSpace.from_file(copy), SearchSpace.from_file(SHIPPED_DIR / "sd15.yaml")
+    assert [d.name for d in space.dimensions] == [d.name for d in shipped.dimensions if d.name != "vae_tiling"]
+    assert space.seeds == shipped.seeds  # default.yaml's seeds, as the original has them
+    write(tmp_path, "knobs:\n  dtype: [float32, bfloat16]\n  compile: [none, default]\n", "default.yaml")  # beside it: this one
+    assert "quantize" not in [d.name for d in SearchSpace.from_file(copy).dimensions]
+
+
 def test_a_single_value_keeps_the_baseline_beside_it(tmp_path):
     space = SearchSpace.from_file(write(tmp_path, "knobs:\n  dtype: bfloat16\n"))
     assert space.dimensions[0].choices == ("float32", "bfloat16")
@@ -136,7 +150,8 @@ def test_known_conflicts_are_forbidden():
         ("knobs:\n  dtype: [float32]\nforbid:\n  - {nope: 1}\n", "unknown knob 'nope'"),
         ("knobz:\n  dtype: [float32]\n", "unknown section"),
         ("extends: space.yaml\n", "loops back"),
-        ("extends: missing.yaml\n", "missing.yaml: no such file"),
+        ("extends: missing.yaml\n", "missing.yaml: no such file (named relative to the file that extends it, or "
+                                     "one of the shipped spaces: default.yaml, flux.yaml, sd15.yaml"),
         ("knobs:\n  quantize: {choices: [none], when: {dtype: float64}}\n", "no choice 'float64'"),
         # a condition on a knob decided later read its baseline value: the knob was never searched
         ("knobs:\n  dtype: {choices: [bfloat16], when: {channels_last: true}}\n  channels_last: [false, true]\n",
@@ -154,7 +169,6 @@ def test_known_conflicts_are_forbidden():
         ("knobs:\n  channels_last: ['true']\n", "has no choice 'true' (choices: False, True; write true without quotes)"),
         # PyYAML keeps the last of two equal keys without a word: the first list would be lost
         ("knobs:\n  dtype: [float32]\n  dtype: [bfloat16]\n", "the key 'dtype' appears twice in one mapping at line 3"),
-        ("extends: tiny-base.yaml\n", "named relative to the file that extends it; the shipped spaces are in"),
         ("knobs:\n  dtype: [float32, bfloat16]\nforbid:\n  - {channels_last: 0}\n",
          "knob 'channels_last' has no choice 0"),
         ("knobs:\n  dtype: !!python/object/apply:os.getpid []\n",
