@@ -552,8 +552,15 @@ def request_differences(held: dict, asked: dict) -> str:
     wanted = _defining(asked)
     differ = [k for k, value in _defining(held).items() if value != wanted.get(k)]
     return "; ".join(_space_difference(held[k], asked[k]) if k == "space" else
-                     f"{k.removesuffix('_bytes')} {_shown(k, held[k])} there, {_shown(k, asked.get(k))} here"
+                     _fields_difference(k, held[k], asked[k]) if isinstance(held[k], dict) and isinstance(asked.get(k), dict)
+                     else f"{k.removesuffix('_bytes')} {_shown(k, held[k])} there, {_shown(k, asked.get(k))} here"
                      for k in differ)
+
+
+def _fields_difference(key: str, held: dict, asked: dict) -> str:
+    """The fields that differ of a mapping (the model, the workload), not the whole of both."""
+    return "; ".join(f"{key} {field} {held.get(field)} there, {asked.get(field)} here"
+                     for field in sorted(set(held) | set(asked), key=str) if held.get(field) != asked.get(field))
 
 
 def differences_from(study: optuna.Study, req: TuneRequest) -> str:
