@@ -147,6 +147,12 @@ class TrialProgress:
             if r.get("cut_short"):
                 what += " (cut short: far slower than the best, 2 warm calls)"
             what += _busy_note(r)
+            first = r.get("measured_twice")
+            if first and first.get("latency_s") is not None:
+                what += (f" (measured twice: its first trial, {first['latency_s']:.3f} s, was timed while other "
+                         f"processes took {first.get('cores_taken_by_others') or 0:.1f} of its CPU cores)"
+                         if (r.get("cores_taken_by_others") or 0) < (first.get("cores_taken_by_others") or 0)
+                         else f" (measured twice: its second trial took {first['latency_s']:.3f} s)")
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
@@ -190,7 +196,8 @@ def busy_timings(outcome) -> str | None:
         return None
     return (f"warning: timings taken while other processes took the trials' CPU cores (up to {max(busy):.1f}): "
             f"{len(busy)} of {len(results)}; those latencies are slower and noisier than this machine's when "
-            "quiet, and the study keeps them; a new study (--study-name) on a quiet machine measures anew")
+            "quiet (a trial that lost on one was measured twice, and the less disturbed kept), and the study keeps "
+            "them; a new study (--study-name) on a quiet machine measures anew")
 
 
 def status_counts(outcome) -> str:
