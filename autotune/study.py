@@ -777,6 +777,7 @@ def tune(
     deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None  # --timeout
     duplicates_in_a_row = 0
     measured_here = 0
+    measure_disturbed_again = True  # until a second trial finds the machine still busy
 
     def measured() -> dict[str, int]:
         out = {}
@@ -878,10 +879,13 @@ def tune(
         request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
         try:
             result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
-            if _disturbed_out_of_the_running(result, fastest, req):
+            if measure_disturbed_again and _disturbed_out_of_the_running(result, fastest, req):
                 again = trial_dir / "again"
                 request = req.trial_request(config, again / "output.npy", cut_above_s=cut_above_s)
-                result = _less_disturbed(result, measure(request, again, lambda: _heartbeat(storage, trial)))
+                second = measure(request, again, lambda: _heartbeat(storage, trial))
+                # still disturbed: the neighbour stays, and a second trial each would double the run
+                measure_disturbed_again = second.get("status") == worker.OK and busy_cores(second) is None
+                result = _less_disturbed(result, second)
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue
             # its config again, so the same command resumes by measuring it first.

@@ -333,7 +333,10 @@ def test_seeds_stay_in_bfloat16_where_the_reference_calls_ran_beside_busy_neighb
 
     outcome = study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto"),
                          measure=busy)
-    assert measured[3:] == [{**baseline(), **seed} for seed in BF16_SEEDS]
+    # the first seed, slower than the baseline and disturbed, measured twice; still disturbed, the
+    # neighbour stays: nothing else is
+    first, *rest = BF16_SEEDS
+    assert measured[3:] == [{**baseline(), **first}, {**baseline(), **first}] + [{**baseline(), **s} for s in rest]
     assert "but other processes took 0.9 of its CPU cores meanwhile: the seeds stay in bfloat16" in outcome.seed_note
 
 
