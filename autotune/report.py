@@ -51,9 +51,9 @@ CLASS_COLORS = {
     "interrupted": "#555555",
     "duplicate": "#c7c7c7",
     "forbidden": "#dbdb8d",
-    "confirming": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
+    "confirmation": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
 }
-NOT_MEASURED = ("duplicate", "forbidden", "confirming")  # timeline bars that are not the search's trials
+NOT_MEASURED = ("duplicate", "forbidden", "confirmation")  # timeline bars that are not the search's trials
 FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
             "crashed", "interrupted")
 
@@ -164,7 +164,7 @@ def trial_class(frozen) -> str | None:
     from .study import CONFIRMER, WITHDRAWN
 
     if CONFIRMER in frozen.user_attrs:  # a worker's claim on the confirmation phase: start to end
-        return None if frozen.user_attrs.get(WITHDRAWN) else "confirming"
+        return None if frozen.user_attrs.get(WITHDRAWN) else "confirmation"
     if frozen.user_attrs.get("duplicate_of_running") is not None:
         return "duplicate"  # of a config another worker was measuring: told FAIL, measured nothing
     if frozen.state == TrialState.PRUNED:
@@ -201,7 +201,7 @@ def _timeline(trials) -> list[Span]:
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
         end, cut = t.datetime_complete, False
-        if kind == "interrupted" or kind == "confirming" and _beat_since_start(t):
+        if kind == "interrupted" or kind == "confirmation" and _beat_since_start(t):
             end, cut = _stale_end(t, retried, starts)
         spans.append(Span(t.number, (t.datetime_start - t0).total_seconds(), (end - t0).total_seconds(), kind, cut))
     return spans
@@ -1066,7 +1066,7 @@ def main(argv: list[str]) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, none tried
-    from .cli import _Parser
+    from .cli import _Parser, a_path
 
     p = _Parser(
         prog="autotune report",
@@ -1079,12 +1079,12 @@ def main(argv: list[str]) -> int:
                    help="a profile file, NAME@STORAGE_URL, or a storage URL or SQLite file (all its studies)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
-    where.add_argument("--workdir", type=Path,
+    where.add_argument("--workdir", type=a_path,
                        help=f"the --workdir the studies ran with, to find their default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--study", action="append", default=[], metavar="NAME",
                    help="a study in --storage; repeat to compare several")
     p.add_argument("--profile", action="append", default=[], type=Path, help="a profile file; repeatable")
-    p.add_argument("--out", required=True, type=Path, help="folder for the PNGs and index.html")
+    p.add_argument("--out", required=True, type=a_path, help="folder for the PNGs and index.html")
     p.add_argument("--title", default="autotune: compared studies")
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]

@@ -73,7 +73,7 @@ def expected(url, name):
     timeline = {}
     for t in study.trials:
         if "confirmer" in t.user_attrs:
-            kind = "confirming"  # the claim on the confirmation phase: one bar for it
+            kind = "confirmation"  # the claim on the confirmation phase: one bar for it
         elif t.state == TrialState.PRUNED:
             kind = "forbidden"
         elif t.state == TrialState.FAIL:
@@ -327,10 +327,10 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     study.add_trial(twin)
     (data,) = report.load(f"synthetic@{url}")
     spans = {sp.trial: (sp.kind, sp.start_s, sp.end_s) for sp in data.timeline}
-    assert spans[4] == ("confirming", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
+    assert spans[4] == ("confirmation", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
     fig = report.plot_timeline([data])
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 6 trials, 2 failed
-    assert "confirming (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "confirmation (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
 def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path):
@@ -422,7 +422,7 @@ def test_a_killed_confirmers_bar_ends_at_its_last_heartbeat_on_a_journal(tmp_pat
     for t in (trial, claim):
         study.add_trial(t)
     (data,) = report.load(f"j@{url}")
-    assert [(sp.kind, sp.end_s) for sp in data.timeline if sp.kind == "confirming"] == [("confirming", 50.0)]
+    assert [(sp.kind, sp.end_s) for sp in data.timeline if sp.kind == "confirmation"] == [("confirmation", 50.0)]
 
 
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
