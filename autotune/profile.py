@@ -436,8 +436,10 @@ def validate(data, path) -> None:
             f"profile {path}: format version {version!r:.40}, this autotune reads version {FORMAT_VERSION}"
         )
     for section in (*REQUIRED_MAPPINGS, "best", "pareto"):
-        if section not in data or data[section] is None:
+        if section not in data:
             raise ProfileError(f"profile {path}: section '{section}' is missing (truncated file?)")
+        if data[section] is None:  # a file cut just after "best:" reads so too
+            raise ProfileError(f"profile {path}: section '{section}' is empty (null; truncated file?)")
     for section in REQUIRED_MAPPINGS:
         if not isinstance(data[section], dict):
             raise ProfileError(f"profile {path}: section '{section}' must be a mapping, not {data[section]!r:.40}")

@@ -431,7 +431,7 @@ def _set(section, key=None, value=None):
         (_set("budget", "memory_bytes", "4GB"), "budget.memory_bytes"),
         (_set("measurement", value="x"), "section 'measurement' must be a mapping or null"),
         (_set("study", value="x"), "section 'study' must be a mapping, not 'x'"),
-        (_set("study", value=None), "section 'study' is missing (truncated file?)"),
+        (_set("study", value=None), "section 'study' is empty (null; truncated file?)"),
         (_set("study", value={"name": "s", "trials": 6}), "study.choice is missing, the last key autotune writes"),
         (_set("quality_guard", value=[1]), "section 'quality_guard' must be a mapping or null"),
         (_set("baseline", value="x"), "section 'baseline' must be a mapping or null"),
