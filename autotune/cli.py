@@ -61,6 +61,14 @@ def _positive_int(text: str) -> int:
     return _whole_number(text, 1)
 
 
+def a_path(text: str) -> Path:
+    """A path option's value: an empty one would be Path(""), the current folder, and be refused
+    as "." is a folder, naming no option the user wrote."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give a path")
+    return Path(text)
+
+
 def _rounds(text: str) -> int:
     return _whole_number(text, 0)
 
@@ -211,12 +219,12 @@ def tune_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("storage and output")
     o.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db); "
                    "journal:PATH for a journal file")
-    o.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+    o.add_argument("--workdir", type=a_path, default=DEFAULT_WORKDIR,
                    help="the studies' working files: trial folders, the compile cache, and the "
                    f"default storage (default: {DEFAULT_WORKDIR})")
     o.add_argument("--study-name", help="share or resume a study by name (default: derived "
                    "from model, workload, budget, device and space)")
-    o.add_argument("--output", "-o", type=Path,
+    o.add_argument("--output", "-o", type=a_path,
                    help="profile path (default: MODEL-BUDGET.yaml in the current folder)")
     o.add_argument("--no-profile", action="store_true",
                    help="measure only (a worker of a shared study); write the profile later with "
@@ -810,9 +818,9 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--study-name", required=True)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
-    where.add_argument("--workdir", type=Path,
+    where.add_argument("--workdir", type=a_path,
                        help=f"the --workdir the study ran with, to find its default storage (default: {DEFAULT_WORKDIR})")
-    p.add_argument("--output", "-o", type=Path, help="profile path (default: MODEL-BUDGET.yaml)")
+    p.add_argument("--output", "-o", type=a_path, help="profile path (default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
     storage = args.storage or default_storage(args.workdir)
     if args.output:
@@ -857,11 +865,12 @@ def _profile_command(argv: list[str]) -> int:
                   "peak memory with the recorded ones",
     }
     p = _Parser(prog=f"autotune {command}", description=descriptions[command])
-    p.add_argument("profile", type=Path)
+    p.add_argument("profile", type=a_path)
     if command == "verify":
         p.add_argument("--device", help="where to replay it (default: where it was measured)")
-        p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls")
-        p.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS")
+        p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls at least (default: 3)")
+        p.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
+                       help="kill the replay after this long (default: 1200)")
     args = p.parse_args(argv[1:])
     import warnings
 

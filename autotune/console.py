@@ -223,8 +223,8 @@ def print_share(out: Console, outcome) -> None:
                   + (f" and {confirmations}" if n else "")
                   + "; the rest were measured by an earlier run or by other workers sharing the study")
     else:
-        out.print(f"this run measured {confirmations or 'nothing'}; the study's {count(total, 'trial')} were measured "
-                  "by an earlier run or by other workers sharing it")
+        out.print(f"this run measured {confirmations or 'nothing'}; the study's {count(total, 'trial')} "
+                  f"{'was' if total == 1 else 'were'} measured by an earlier run or by other workers sharing it")
 
 
 def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 0) -> None:
@@ -361,8 +361,8 @@ def print_profile(out: Console, profile) -> None:
                       format_size(p["peak_memory_bytes"]), config_changes(p["config"]))
     out.print(table)
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
-    counts = ", ".join(f"{s[key]} {label}" for key, label in (("trials", "trials"), ("infeasible", "infeasible"))
-                       if s.get(key) is not None)
+    counts = ", ".join(count(s[key], noun) if noun else f"{s[key]} infeasible"
+                       for key, noun in (("trials", "trial"), ("infeasible", None)) if s.get(key) is not None)
     out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
               + (f": {counts}" if counts else ""))
 

@@ -46,6 +46,8 @@ def one_line_error(proc):
         (["--space", "missing.yaml"], "no such file"),
         (["show", "missing.yaml"], "no such file"),
         (["--no-such-flag"], "unrecognized arguments"),
+        (["-o", ""], "argument --output/-o: empty: give a path"),  # was "profile .: is a folder"
+        (["report", "--out", " "], "argument --out: empty: give a path"),
         (["--gpus", "0,0"], "distinct GPU indices"),
         (["--storage", "nosuchdb://x", "--trials", "1"], "storage nosuchdb://x: cannot open it"),
         (["--warm-start", "missing@sqlite:///nowhere.db"], "no such profile file, and storage sqlite:///nowhere.db"),
