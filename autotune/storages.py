@@ -264,26 +264,35 @@ def _has_optuna_tables(path: Path) -> bool:
 
 
 def _check_journal(url: str, path: Path) -> None:
-    """A file that is there must be an Optuna journal: Optuna takes a last line it cannot parse
-    for a record cut short by a crash, and appends its own after it, into the user's file."""
+    """A file that is there must be an Optuna journal, every line of it: Optuna takes a first
+    line it cannot parse for a record cut short by a crash, and appends its own after it, into the
+    user's file; and a line past the first that is no record stops its reading with json's
+    "Expecting value" wherever it reads next (at the start, or later, as a traceback). A last line
+    without its newline is a record cut short by a crash, which Optuna skips."""
     import json
 
     try:
         with path.open("rb") as f:
-            first = f.readline()
+            lines = f.readlines()
     except FileNotFoundError:
         return  # a new journal: Optuna creates it
     except OSError as exc:
         raise AutotuneError(f"storage {url}: cannot read {path} ({exc.strerror or exc})") from None
-    if not first:
-        return
-    try:
-        record = json.loads(first)
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or "op_code" not in record:
-        raise AutotuneError(f"storage {url}: {path} is not an Optuna journal file (its first line is no "
-                            "journal record); name a new file or an existing journal")
+    for number, line in enumerate(lines, start=1):
+        if number == len(lines) and not line.endswith(b"\n") and number > 1:
+            break
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "op_code" in record:
+            continue
+        if number == 1:
+            raise AutotuneError(f"storage {url}: {path} is not an Optuna journal file (its first line is no "
+                                "journal record); name a new file or an existing journal")
+        raise AutotuneError(f"storage {url}: {path} holds a line that is no journal record (line {number}: "
+                            "edited by hand, or corrupted); Optuna reads no further: mend or remove that line, "
+                            "or name another file")
 
 
 def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:

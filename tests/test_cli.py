@@ -136,6 +136,19 @@ def test_a_file_that_is_no_journal_is_refused_and_left_as_it_was(cli, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
 
 
+def test_a_journal_with_a_line_that_is_no_record_names_the_line(cli, tmp_path):
+    # past its first line Optuna's json error reached the user: "Expecting value: line 1 column 1"
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = tmp_path / "j.log"
+    optuna.create_study(storage=optuna.storages.JournalStorage(JournalFileBackend(str(journal))), study_name="s")
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join([lines[0], "a note of mine\n", *lines[1:]]))
+    line = one_line_error(cli("--storage", "journal:j.log", "--trials", "1"))
+    assert "j.log holds a line that is no journal record (line 2: edited by hand, or corrupted)" in line, line
+
+
 def test_a_storage_that_cannot_be_written_is_one_line(cli, tmp_path):
     import optuna
 
