@@ -498,6 +498,10 @@ def _tune(args, argv: list[str]) -> int:
         _check_default_output_is_this_studys(output, study_name, earlier)
     out = console.terminal()
     console.print_header(out, request, space)
+    if budget > machine["memory_bytes"]:  # allowed (a budget for a bigger machine), but nothing binds here
+        whose = "this GPU's" if device.startswith("cuda") else "this machine's"
+        out.print(f"note: the budget {format_size(budget)} is more than {whose} memory "
+                  f"({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
     for name, (trials, differences) in earlier.items():
         out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same model, "
                   f"size and budget, measured under other settings ({differences}): this run starts a new "

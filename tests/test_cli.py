@@ -605,6 +605,15 @@ def test_workdir_holds_the_trials_the_compile_cache_and_the_default_storage(cli,
     assert (tmp_path / "again.yaml").is_file() and not (tmp_path / "autotune-studies").exists()
 
 
+def test_a_budget_over_the_machines_memory_is_run_and_said(cli, tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    proc = cli(*CHEAP, "--vram", "100TB", "--no-profile")
+    assert proc.returncode == 0, proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert "note: the budget 102400.00 GiB is more than this machine's memory (" in said
+    assert "every configuration that runs fits it" in said
+
+
 @pytest.mark.parametrize("output, words", [("afile/p.yaml", ["afile", "in the way"]), ("/proc/p.yaml", ["/proc"]),
                                            (".", ["is a folder"])],
                          ids=["file-in-the-way", "proc", "a-folder"])
