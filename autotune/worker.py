@@ -108,7 +108,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     from . import quality
 
     from .knobs import Target, build_configured
-    from .measure import MemoryTracker, OtherCpuUse, summarize, timed_calls, too_slow, warm_up
+    from .measure import (FAR_SLOWER, MemoryTracker, OtherCpuUse, far_slower_at_once, summarize, timed_calls,
+                          too_slow, warm_up)
     from .models import ModelSpec
     from .workload import Workload
 
@@ -160,8 +161,10 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
 
         phase = "warm-up"
         during_warm_up = OtherCpuUse() if device == "cpu" else None  # for a trial cut short there
+        # nothing compiled or autotuned in the first call: it is as slow as the next
+        first_call_is_warm = config.get("compile", "none") == "none" and not config.get("cudnn_benchmark")
         warm_times, output = warm_up(call, device, min_calls=request["warmup"], max_calls=request["max_warmup"],
-                                     slow_above_s=request["cut_above_s"])
+                                     slow_above_s=request["cut_above_s"], first_call_is_warm=first_call_is_warm)
         # The first call pays for compilation and autotuning: the cold start a server sees.
         result["first_call_s"] = warm_times[0]
         result["cold_start_s"] = result["load_s"] + warm_times[0]
@@ -182,13 +185,19 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return result
         phase = "timed calls"
         bound = request["cut_above_s"]
-        if too_slow(warm_times, bound):
+        if too_slow(warm_times, bound) or far_slower_at_once(warm_times, bound, first_call_is_warm):
             # Far slower than the study's best: a precise median would not change the pick, and
             # on a CPU such a config (float16 there) costs minutes per trial. Its last two warm
-            # calls, timed like the timed calls, are its figure; memory was tracked through all.
-            result.update(summarize(warm_times[-2:]))
-            result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "
-                                   f"over {bound:.3f} s")
+            # calls (or its one, far over), timed like the timed calls, are its figure; memory was
+            # tracked through all, a whole call at least.
+            if len(warm_times) == 1:
+                result.update(summarize(warm_times))
+                result["cut_short"] = (f"its one warm-up call took {warm_times[0]:.3f} s, over {FAR_SLOWER:g} x "
+                                       f"{bound:.3f} s, with nothing to compile in it")
+            else:
+                result.update(summarize(warm_times[-2:]))
+                result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "
+                                       f"over {bound:.3f} s")
             result["cut_above_s"] = bound
             if during_warm_up:
                 result["cores_taken_by_others"] = during_warm_up.taken()

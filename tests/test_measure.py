@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from autotune.measure import summarize, timed_calls, too_slow, warm_up
+from autotune.measure import far_slower_at_once, summarize, timed_calls, too_slow, warm_up
 
 
 def sleeper(durations):
@@ -49,6 +49,21 @@ def test_warm_up_ends_after_two_warm_calls_over_the_slow_bound():
     assert len(times) == 4 and not too_slow(times, 0.2, steady=0.5)
     times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.5)
     assert len(times) == 4  # under the bound: warmed up until steady
+
+
+def test_one_call_far_over_the_bound_ends_the_warm_up_only_where_nothing_is_compiled():
+    # 0.8 s against a bound of 0.2 s: over 3x. Nothing compiled in it: one call says it
+    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", max_calls=3, steady=0.5, slow_above_s=0.2,
+                       first_call_is_warm=True)
+    assert times == [pytest.approx(0.8, abs=0.1)] and far_slower_at_once(times, 0.2, True)
+    # a first call that compiles is cold: two calls, as before
+    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", max_calls=3, steady=0.5, slow_above_s=0.2)
+    assert len(times) == 2 and not far_slower_at_once(times[:1], 0.2, False)
+    # under 3x the bound, or no bound, or --warmup 2: not by one call
+    assert not far_slower_at_once([0.5], 0.2, True) and not far_slower_at_once([0.8], None, True)
+    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", min_calls=2, max_calls=3, steady=0.5, slow_above_s=0.2,
+                       first_call_is_warm=True)
+    assert len(times) == 2
 
 
 def test_two_slow_calls_that_agree_from_the_start_are_warm_already():

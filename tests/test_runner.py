@@ -176,15 +176,14 @@ def test_forked_trials_start_without_paying_the_imports(tmp_path):
     assert result["import_s"] < 0.5
 
 
-def test_a_trial_far_slower_than_the_bound_stops_after_two_warm_calls(tmp_path):
+def test_a_trial_far_slower_than_the_bound_stops_after_one_warm_call_where_nothing_is_compiled(tmp_path):
     runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")  # server up
     cut = runner.run_trial(request(repeats=3, cut_above_s=0.0), tmp_path / "cut", timeout_s=300, launcher="fork")
-    assert cut["status"] == worker.OK and "over 0.000 s" in cut["cut_short"] and cut["cut_above_s"] == 0.0
-    # two calls that agree (nothing to compile here), or a cold one and two warm ones: the last two
-    # stand for the timed calls
-    warm = cut["warmup_s"]
-    assert len(warm) == 3 or (len(warm) == 2 and abs(warm[1] - warm[0]) <= 0.1 * warm[0]), warm
-    assert cut["calls"] == 2 and cut["latency_s"] == pytest.approx(sum(warm[-2:]) / 2)
+    assert cut["status"] == worker.OK and cut["cut_above_s"] == 0.0
+    # nothing compiled in the first call: it stands for the timed calls by itself (two warm calls
+    # when it compiles: test_measure's warm-up tests)
+    assert cut["cut_short"].startswith("its one warm-up call took ") and "over 3 x 0.000 s" in cut["cut_short"]
+    assert len(cut["warmup_s"]) == 1 and cut["calls"] == 1 and cut["latency_s"] == cut["warmup_s"][0]
     assert cut["peak_memory_bytes"] > 0
     full = runner.run_trial(request(repeats=3, cut_above_s=1e9), tmp_path / "full", timeout_s=300, launcher="fork")
     assert full["calls"] >= 3 and "cut_short" not in full
