@@ -145,16 +145,18 @@ class TrialProgress:
                 v = record.violations
                 what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
             if r.get("cut_short"):
-                what += " (cut short: far slower than the best, 2 warm calls)"
+                what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
-            first = r.get("measured_twice")
-            if first and first.get("latency_s") is not None:
-                what += (f" (measured twice: its first trial, {first['latency_s']:.3f} s, was timed while other "
-                         f"processes took {first.get('cores_taken_by_others') or 0:.1f} of its CPU cores)"
-                         if (r.get("cores_taken_by_others") or 0) < (first.get("cores_taken_by_others") or 0)
-                         else f" (measured twice: its second trial took {first['latency_s']:.3f} s)")
+            other = r.get("measured_twice")
+            if other and other.get("latency_s") is not None:
+                what += (f" (measured twice: its first trial, {other['latency_s']:.3f} s, was timed while other "
+                         f"processes took {other.get('cores_taken_by_others') or 0:.1f} of its CPU cores)"
+                         if other.get("kept") == "second"
+                         else f" (measured twice: its second trial took {other['latency_s']:.3f} s)")
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
+            if r.get("measured_twice"):
+                what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
         desc = "tuning"
         if self.best:
@@ -196,8 +198,9 @@ def busy_timings(outcome) -> str | None:
         return None
     return (f"warning: timings taken while other processes took the trials' CPU cores (up to {max(busy):.1f}): "
             f"{len(busy)} of {len(results)}; those latencies are slower and noisier than this machine's when "
-            "quiet (a trial that lost on one was measured twice, and the less disturbed kept), and the study keeps "
-            "them; a new study (--study-name) on a quiet machine measures anew")
+            "quiet (a trial that lost on one was measured twice, the less disturbed kept, until a second trial "
+            "found the machine still busy), and the study keeps them; a new study (--study-name) on a quiet "
+            "machine measures anew")
 
 
 def status_counts(outcome) -> str:

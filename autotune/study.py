@@ -668,7 +668,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
 
 # A trial whose last two warm calls (measure.too_slow) are this much slower than the fastest feasible trial so
-# far stops there, their median its figure (worker.trial_request's cut_above_s): it cannot be a
+# far stops there, their median its figure (worker.trial_request's cut_above_s; one warm call far
+# over it does, where nothing is compiled in it: measure.far_slower_at_once): it cannot be a
 # contender (those are within 1 + CONTENDER_WITHIN of the fastest), and a precise median of a
 # config that slow would cost minutes per trial for nothing (float16 on a CPU, sequential offload).
 # Its peak memory is tracked through its calls, so it still counts for the Pareto front. Optuna's pruners do
@@ -722,15 +723,21 @@ def _disturbed_out_of_the_running(result: dict, fastest: float | None, req: Tune
 
 def _less_disturbed(first: dict, second: dict) -> dict:
     """Of a disturbed trial and its second measurement, the one other processes took fewer cores
-    from, recording the other's figures; its peak memory the higher of the two, as a profile's peak
-    is the highest of a config's trials."""
+    from, recording the other's figures (and which was kept); its peak memory the higher of the
+    two, as a profile's peak is the highest of a config's trials. A second trial that failed (out
+    of memory, crashed) stands, as a failed confirmation makes its config infeasible: the budget
+    is a promise for every run."""
     taken = [(r.get("cores_taken_by_others") or 0) for r in (first, second)]
-    kept, other = (second, first) if second.get("status") == worker.OK and taken[1] < taken[0] else (first, second)
+    keep_second = second.get("status") != worker.OK or taken[1] < taken[0]
+    kept, other = (second, first) if keep_second else (first, second)
     if other.get("output"):
         Path(other["output"]).unlink(missing_ok=True)
-    kept["measured_twice"] = {k: other.get(k) for k in ("status", "latency_s", "peak_memory_bytes", "cores_taken_by_others")}
-    if other.get("status") == worker.OK and other.get("peak_memory_bytes"):
-        kept["peak_memory_bytes"] = max(kept.get("peak_memory_bytes") or 0, other["peak_memory_bytes"])
+    kept["measured_twice"] = {"kept": "second" if keep_second else "first",
+                              **{k: other.get(k) for k in ("status", "latency_s", "peak_memory_bytes",
+                                                           "cores_taken_by_others")}}
+    if kept.get("status") == worker.OK and other.get("peak_memory_bytes", 0) > kept.get("peak_memory_bytes", 0):
+        kept["peak_memory_bytes"] = other["peak_memory_bytes"]
+        kept["peak_from"] = "the other of its two trials"  # the fields beside it describe this one
     return kept
 
 
@@ -879,12 +886,12 @@ def tune(
         request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
         try:
             result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
-            if measure_disturbed_again and _disturbed_out_of_the_running(result, fastest, req):
+            if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req):
                 again = trial_dir / "again"
                 request = req.trial_request(config, again / "output.npy", cut_above_s=cut_above_s)
                 second = measure(request, again, lambda: _heartbeat(storage, trial))
                 # still disturbed: the neighbour stays, and a second trial each would double the run
-                measure_disturbed_again = second.get("status") == worker.OK and busy_cores(second) is None
+                measure_disturbed_again = busy_cores(second) is None
                 result = _less_disturbed(result, second)
         except KeyboardInterrupt:
             # The child is dead already (runner killed its group). Fail this trial and queue

@@ -82,6 +82,19 @@ def test_a_trial_slowed_by_other_processes_is_measured_again_when_that_left_it_o
     assert len(seen) == 8 + 3
 
 
+def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(tmp_path):
+    def trial(status="ok", latency=1.0, peak=500 * MiB, taken=0.0):
+        return {"status": status, "latency_s": latency, "peak_memory_bytes": peak, "cores_taken_by_others": taken}
+
+    # the second more disturbed: the first stands, its peak raised to the second's, which is said
+    kept = study._less_disturbed(trial(latency=2.0, taken=0.5), trial(latency=3.0, peak=600 * MiB, taken=0.9))
+    assert kept["latency_s"] == 2.0 and kept["measured_twice"]["kept"] == "first"
+    assert kept["peak_memory_bytes"] == 600 * MiB and kept["peak_from"] == "the other of its two trials"
+    # a second that ran out of memory stands: the config does not fit every run
+    kept = study._less_disturbed(trial(latency=2.0, taken=0.5), trial(status="out_of_memory", latency=None, taken=0.0))
+    assert kept["status"] == "out_of_memory" and kept["measured_twice"]["latency_s"] == 2.0
+
+
 def test_patience_stops_when_the_best_stops_improving(tmp_path):
     # The baseline is the fastest: nothing after it improves, so 3 more trials end the study.
     measure, measured = fake_measure(lambda c: 1.0 if c == baseline() else 2.0)
