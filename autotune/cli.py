@@ -177,7 +177,7 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="one worker per GPU, each trial pinned to its worker's GPU, all in one study "
                    "(the GPUs must be of one model)")
     s = p.add_argument_group("search")
-    s.add_argument("--space", type=Path, help="a search-space YAML (default: the model family's)")
+    s.add_argument("--space", type=a_path, help="a search-space YAML (default: the model family's)")
     s.add_argument("--list-knobs", action="store_true",
                    help="print the search space as it stands on this machine, and exit")
     s.add_argument("--trials", type=_positive_int, default=16,
@@ -496,16 +496,18 @@ def _tune(args, argv: list[str]) -> int:
     earlier = {} if args.study_name else _earlier_studies(request)
     if not args.no_profile and not args.output:
         _check_default_output_is_this_studys(output, study_name, earlier)
+    from rich.markup import escape
+
     out = console.terminal()
     console.print_header(out, request, space)
-    if budget > machine["memory_bytes"]:  # allowed (a budget for a bigger machine), but nothing binds here
+    if budget - margin > machine["memory_bytes"]:  # allowed (a budget for a bigger machine), but nothing binds here
         whose = "this GPU's" if device.startswith("cuda") else "this machine's"
-        out.print(f"note: the budget {format_size(budget)} is more than {whose} memory "
+        out.print(f"note: the budget {format_size(budget)}, less its margin, is more than {whose} memory "
                   f"({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
     for name, (trials, differences) in earlier.items():
-        out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same model, "
-                  f"size and budget, measured under other settings ({differences}): this run starts a new "
-                  f"study; --warm-start {name} would measure that study's best configurations first")
+        out.print(escape(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same "
+                         f"model, size and budget, measured under other settings ({differences}): this run starts a "
+                         f"new study; --warm-start {name} would measure that study's best configurations first"))
     if args.gpus:
         return _tune_on_gpus(out, request, args, argv, output)
     try:
@@ -590,9 +592,11 @@ def _earlier_studies(request) -> dict[str, tuple[int, str]]:
         if not name.startswith(prefix) or len(name) != len(request.study_name):
             continue
         other = optuna.load_study(study_name=name, storage=backend)
-        differences = differences_from(other, request)
-        if differences:
-            out[name] = (sum(r.duplicate_of is None for r in summarize(other).records), differences)
+        if not other.user_attrs.get("request"):
+            continue  # not autotune's, or set up by no run yet
+        # the name's digest also holds the space's forbid rules, which a study does not record
+        differences = differences_from(other, request) or "the search space's forbid rules"
+        out[name] = (len(summarize(other).records), differences)
     return out
 
 

@@ -288,8 +288,11 @@ class Profile:
         if device.startswith("cuda") and not fingerprint.cuda_available():
             # whose choice the device was: the profile's, or the caller's (on a CPU profile too)
             if device == measured:
-                raise ProfileError(f"this profile was measured on {device}, and no CUDA GPU is usable here; "
-                                   "pass device='cpu' to load it anyway")
+                on_cpu = unrunnable(self.best["config"], Target(device="cpu", family=self.model.family,
+                                                                 workload=self.workload))
+                hint = (f"its configuration cannot run on the CPU either ({'; '.join(on_cpu)})" if on_cpu
+                        else "pass device='cpu' to load it anyway")
+                raise ProfileError(f"this profile was measured on {device}, and no CUDA GPU is usable here; {hint}")
             raise ProfileError(f"device={device!r} was asked for (the profile was measured on {measured}), but no "
                                f"CUDA GPU is usable here; leave device out or pass device={measured!r}")
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),

@@ -1083,7 +1083,7 @@ def main(argv: list[str]) -> int:
                        help=f"the --workdir the studies ran with, to find their default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--study", action="append", default=[], metavar="NAME",
                    help="a study in --storage; repeat to compare several")
-    p.add_argument("--profile", action="append", default=[], type=Path, help="a profile file; repeatable")
+    p.add_argument("--profile", action="append", default=[], type=a_path, help="a profile file; repeatable")
     p.add_argument("--out", required=True, type=a_path, help="folder for the PNGs and index.html")
     p.add_argument("--title", default="autotune: compared studies")
     args = p.parse_args(argv)

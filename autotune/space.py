@@ -2,7 +2,7 @@
 
 A space file (search_spaces/*.yaml) names knobs of the catalogue and the choices to try:
 
-    extends: default.yaml                 # optional, relative to this file
+    extends: default.yaml                 # optional: relative to this file, else the shipped one
     knobs:
       dtype: [float32, bfloat16]
       compile: default                    # a single value: that choice beside the baseline's

@@ -272,27 +272,27 @@ def _check_journal(url: str, path: Path) -> None:
     import json
 
     try:
-        with path.open("rb") as f:
-            lines = f.readlines()
+        f = path.open("rb")
     except FileNotFoundError:
         return  # a new journal: Optuna creates it
     except OSError as exc:
         raise AutotuneError(f"storage {url}: cannot read {path} ({exc.strerror or exc})") from None
-    for number, line in enumerate(lines, start=1):
-        if number == len(lines) and not line.endswith(b"\n") and number > 1:
-            break
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and "op_code" in record:
-            continue
-        if number == 1:
-            raise AutotuneError(f"storage {url}: {path} is not an Optuna journal file (its first line is no "
-                                "journal record); name a new file or an existing journal")
-        raise AutotuneError(f"storage {url}: {path} holds a line that is no journal record (line {number}: "
-                            "edited by hand, or corrupted); Optuna reads no further: mend or remove that line, "
-                            "or name another file")
+    with f:  # line by line: a big file named by mistake is refused at its first line
+        for number, line in enumerate(f, start=1):
+            if number > 1 and not line.endswith(b"\n"):
+                break  # the last line, cut short (a worker writing it now, or a crash)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "op_code" in record:
+                continue
+            if number == 1:
+                raise AutotuneError(f"storage {url}: {path} is not an Optuna journal file (its first line is no "
+                                    "journal record); name a new file or an existing journal")
+            raise AutotuneError(f"storage {url}: {path} holds a line that is no journal record (line {number}: "
+                                "edited by hand, or corrupted); Optuna reads no further: mend or remove that "
+                                "line, or name another file")
 
 
 def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:

@@ -147,6 +147,11 @@ def test_a_journal_with_a_line_that_is_no_record_names_the_line(cli, tmp_path):
     journal.write_text("".join([lines[0], "a note of mine\n", *lines[1:]]))
     line = one_line_error(cli("--storage", "journal:j.log", "--trials", "1"))
     assert "j.log holds a line that is no journal record (line 2: edited by hand, or corrupted)" in line, line
+    # a last line cut short (another worker writing it, a crash) is a journal's, and Optuna skips it
+    journal.write_text("".join(lines) + '{"op_code": 4, "worker_id"')
+    proc = cli("export", "--study-name", "s", "--storage", "journal:j.log")
+    assert "no journal record" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "records no autotune request" in proc.stderr  # opened: Optuna's study, not autotune's
 
 
 def test_a_storage_that_cannot_be_written_is_one_line(cli, tmp_path):
@@ -692,6 +697,12 @@ def test_a_changed_space_says_what_changed_and_names_the_earlier_study(cli, tmp_
     # resumed: its own study, no note
     proc = cli(*CHEAP, "--vram", "2GB", "-o", "new.yaml")
     assert proc.returncode == 0 and "note: this storage holds" not in proc.stdout
+    # only the forbid rules changed: a study records none, and the name's digest holds them
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE + "forbid:\n  - {dtype: bfloat16, channels_last: true}\n")
+    proc = cli(*CHEAP, "--vram", "2GB", "-o", "third.yaml")
+    note = " ".join(proc.stdout.split())
+    assert f"study {earlier} (1 measured trial) of the same model, size and budget, measured under other settings " \
+           "(the search space's forbid rules)" in note, note
 
 
 

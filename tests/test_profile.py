@@ -154,6 +154,12 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
                        "needs more than one CUDA GPU", "quantize=int4wo: ", "tf32=True: TF32 needs a CUDA GPU"):
             assert choice in said, said
     assert not built and not hasattr(pipe, APPLIED)
+    if not torch.cuda.is_available():  # a GPU's profile on this CPU: "pass device='cpu'" would not load it either
+        doc["machine"] = {**doc["machine"], "device": "cuda"}
+        gpu = load_profile(profile_io.save(doc, tmp_path / "cuda.yaml"), check_fingerprint=False)
+        with pytest.raises(ProfileError, match=r"measured on cuda, and no CUDA GPU is usable here; its configuration "
+                                               r"cannot run on the CPU either \(tf32=True: TF32 needs a CUDA GPU; "):
+            gpu.load_pipeline()
     # the choices this machine runs load as before
     doc["best"]["config"] = dict(document()["best"]["config"])
     doc["pareto"][1] = doc["best"]
