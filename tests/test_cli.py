@@ -615,7 +615,7 @@ def test_a_budget_over_the_machines_memory_is_run_and_said(cli, tmp_path):
     proc = cli(*CHEAP, "--vram", "100TB", "--no-profile")
     assert proc.returncode == 0, proc.stderr
     said = " ".join(proc.stdout.split())
-    assert "note: the budget 102400.00 GiB is more than this machine's memory (" in said
+    assert "note: the budget 102400.00 GiB, less its margin, is more than this machine's memory (" in said
     assert "every configuration that runs fits it" in said
 
 
