@@ -157,6 +157,8 @@ class TrialProgress:
             what = f"{record.status}: {r.get('error', '')}"[:160]
             if r.get("measured_twice"):
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
+        if record.repair:  # repair.py
+            what += f" (trial {record.repair['of']} over the budget, with {record.repair['adds']} added)"
         self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
         desc = "tuning"
         if self.best:

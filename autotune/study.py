@@ -33,7 +33,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from . import quality, runner, storages, worker
+from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import count
 from .errors import AutotuneError
@@ -116,6 +116,8 @@ class TrialRecord:
     result: dict
     violation: float
     baseline: bool = False
+    seeded: bool = False  # a seed of the space or an earlier study's (--warm-start), not the sampler's
+    repair: dict | None = None  # a memory repair's {"of": trial number, "adds": "knob=value"} (repair.py)
     duplicate_of: int | None = None
     violations: dict = field(default_factory=dict)  # {"memory": ..., "quality": ...}
     # Later measurements of the same config in fresh trials (confirm_contenders): each
@@ -296,6 +298,8 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
         violation=max(attrs["violation"], worst_again),
         violations=violations,
         baseline=attrs.get("baseline", False),
+        seeded=bool(attrs.get("seed") or attrs.get("warm_start")),
+        repair=attrs.get("repair"),
         duplicate_of=attrs.get("duplicate_of"),
         confirmations=confirmations,
     )
@@ -741,6 +745,20 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     return kept
 
 
+def _queue_a_repair(req: TuneRequest, study: optuna.Study) -> None:
+    """Queue the next memory repair (repair.py) when nothing else waits to be measured (seeds and
+    an earlier study's configs go first) and repairs hold less than their share of the trials."""
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state == TrialState.WAITING for t in trials) or repair.count(trials) >= req.trials * repair.SHARE:
+        return
+    records = summarize(study).records
+    running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
+    found = repair.next_repair(records, running, req.space, req.target.is_cuda,
+                               known_not_to_fit=lambda config: memory_dominated(config, records) is not None)
+    if found:
+        study.enqueue_trial(req.space.params(found.config), user_attrs=found.marks)
+
+
 def _frozen_on_cpu(seed: Config) -> list[Config]:
     """A compiled seed with inductor's freezing, then as it is (space.fit then drops the frozen one
     where the space does not search freezing or a rule forbids it, as with regional compile): on
@@ -829,6 +847,7 @@ def tune(
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
             continue
 
+        _queue_a_repair(req, study)
         with warnings.catch_warnings():
             # Optuna warns that heartbeats are meant for Study.optimize; in ask-and-tell this
             # loop records them itself (runner's tick), which is what the warning asks for.
@@ -898,7 +917,9 @@ def tune(
             # its config again, so the same command resumes by measuring it first.
             if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
                 study.tell(trial, state=TrialState.FAIL)
-                study.enqueue_trial(trial.params, user_attrs={"baseline": bool(trial.user_attrs.get("baseline"))})
+                study.enqueue_trial(trial.params, user_attrs={
+                    "baseline": bool(trial.user_attrs.get("baseline")),
+                    **{k: trial.user_attrs[k] for k in ("seed", "warm_start", "repair") if k in trial.user_attrs}})
             raise
         except optuna.exceptions.UpdateFinishedTrialError:
             # A heartbeat found the trial given up: this process was paused past the grace period

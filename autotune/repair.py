@@ -1,0 +1,147 @@
+"""Memory repair: a configuration that ran faster than every one that fits, but over the budget,
+is measured again with memory-saving choices added, one more per trial, the way a person tuning
+by hand answers an out-of-memory error (the diffusers memory guide: tile the VAE, offload the
+model, then finer offload).
+
+Why the search needs it: the sampler learns feasibility from constraints over some twenty knobs,
+and in a dozen trials it rarely lands on the one combination of a fast stack and the savers that
+make it fit. In the #8 run at c88b1ad (benchmarks/results/versus_hand_tuning-epyc-head.md), at a
+4.38 GiB budget the frozen compiled seed ran 0.70 s at 4.46 GiB, and the study kept a stack
+taking 1.33 s; the frozen stack with int8 weights and glibc's threshold held fits there.
+
+The chain is cumulative: each repair keeps the savers added before it, because savers interact
+(on a CPU, int8 weights lower the peak only once glibc's mmap threshold is held). A repair that
+breaks the quality guard, fails, or runs no faster than the fastest config that fits is dropped,
+and the next saver is tried on its parent instead. Everything is read from the measured configs
+(a repair is its parent's config plus one saver), so a resumed or shared study picks up where
+another worker left off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import worker
+from .knobs import CATALOGUE, Config
+from .space import SearchSpace, config_key
+
+# The savers, cheapest in latency first; a later entry for the same knob replaces an earlier one
+# (model offload, then leaf-level group offload, then sequential). On a GPU the budget is device
+# memory: the VAE decode's activations and the text encoders go first, the denoiser's weights
+# last. On a CPU everything lives in host memory: the text encoders' and denoiser's weights,
+# then glibc's threshold (which lowers the peak only once quantization frees the weights as
+# loaded: autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
+SAVERS_CUDA = (
+    ("vae_tiling", True),
+    ("quantize_text_encoders", "int8wo"),
+    ("offload", "model"),
+    ("layerwise_casting", "fp8-e4m3"),
+    ("quantize", "int8wo"),
+    ("offload", "group-leaf-stream"),
+    ("offload", "sequential"),
+    ("dtype", "bfloat16"),
+)
+SAVERS_CPU = (
+    ("quantize_text_encoders", "int8wo"),
+    ("quantize", "int8wo"),
+    ("malloc_mmap_threshold", "1MiB"),
+    ("dtype", "bfloat16"),
+    ("attention", "sliced"),
+    ("vae_tiling", True),
+    ("layerwise_casting", "fp8-e4m3"),
+)
+
+# At most this share of a study's trials are repairs: the rest stay the sampler's.
+SHARE = 0.5
+
+
+@dataclass
+class Repair:
+    config: Config
+    of: int  # the trial number of the config it adds to
+    adds: str  # "knob=value"
+
+    @property
+    def marks(self) -> dict:
+        """The user attributes of its queued trial (reports read them; the chain does not)."""
+        return {"repair": {"of": self.of, "adds": self.adds}}
+
+
+def savers(is_cuda: bool) -> tuple:
+    return SAVERS_CUDA if is_cuda else SAVERS_CPU
+
+
+def with_saver(config: Config, knob: str, value, order: tuple, space: SearchSpace) -> Config | None:
+    """`config` with one saver added, or None where it does not apply: the knob set already
+    (other than to an earlier saver of the list), the choice not searched on this machine, undone
+    by a `when` of the space, or a forbidden combination."""
+    current = config.get(knob, CATALOGUE[knob].default)
+    earlier = [v for k, v in order[:order.index((knob, value))] if k == knob]
+    if current == value or (current != CATALOGUE[knob].default and current not in earlier):
+        return None
+    if value not in space.choices_of(knob):
+        return None
+    repaired = space.normalize({**config, knob: value})
+    if repaired[knob] != value or space.forbidden(repaired):
+        return None
+    return repaired
+
+
+def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: bool,
+                known_not_to_fit: Callable[[Config], bool] = lambda c: False) -> Repair | None:
+    """The next config to measure as a repair, or None. `records`: the study's measured trials
+    (study.TrialRecord); `pending`: the keys of configs queued or being measured (a chain waits for
+    its last step); `known_not_to_fit`: configs the study skips unmeasured (study.memory_dominated),
+    which a repair must not propose, or it would be proposed again after each skip."""
+    order = savers(is_cuda)
+    fastest = min((r.latency_s for r in records if r.feasible), default=None)
+    by_key = {config_key(r.config): r for r in records}
+
+    def fast_but_over(r) -> bool:
+        return (r.status == worker.OK and r.violations.get("memory", 0) > 0
+                and r.violations.get("quality", 0) <= 0 and (fastest is None or r.latency_s < fastest))
+
+    def chain_goes_on(child) -> bool:
+        # over the budget still (measured, or out of memory where its parent was fast): add the next saver to it
+        return fast_but_over(child) or child.status == worker.OUT_OF_MEMORY
+
+    seen: set[str] = set()
+
+    def step(base) -> Repair | None | bool:
+        """The next repair from `base`; False where its chain has ended or waits."""
+        seen.add(config_key(base.config))
+        for knob, value in order:
+            config = with_saver(base.config, knob, value, order, space)
+            if config is None:
+                continue
+            key = config_key(config)
+            if key in pending:
+                return False  # measured now or queued: wait for it
+            child = by_key.get(key)
+            if child is None:
+                if known_not_to_fit(config):
+                    continue
+                return Repair(config, base.number, f"{knob}={value}")
+            if child.feasible:
+                return False  # repaired
+            if chain_goes_on(child):
+                return False if key in seen else step(child)
+            # broke the guard, failed, or no faster than what fits: the next saver, on this base
+        return False
+
+    # Fastest first; then seeds that ran out of memory (the guides' fast stacks, of unknown speed here)
+    roots = sorted((r for r in records if fast_but_over(r)), key=lambda r: r.latency_s) + [
+        r for r in records if r.seeded and r.status == worker.OUT_OF_MEMORY]
+    for root in roots:
+        if config_key(root.config) in seen:
+            continue
+        found = step(root)
+        if found:
+            return found
+    return None
+
+
+def count(trials: Iterable) -> int:
+    """The repairs among a study's trials (frozen trials, any state)."""
+    return sum(1 for t in trials if "repair" in t.user_attrs)
