@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                  "trials": len(outcome.records), "wall_s": time.monotonic() - t0,
                  "fresh_measurements": pool.fresh - fresh0, "reused_measurements": pool.reused - reused0,
                  "quality_guard": outcome.quality_guard, "point": None,
-                 "measured": [{"config": r.config, "status": r.status, "latency_s": r.latency_s,
+                 "measured": [{"number": r.number, "repair": r.repair, "config": r.config, "status": r.status,
+                               "latency_s": r.latency_s,
                                "peak_memory_bytes": r.peak_memory_bytes, "feasible": r.feasible,
                                "violations": r.violations, "quality": r.result.get("quality")}
                               for r in outcome.records]}
@@ -853,6 +854,15 @@ def markdown(doc: dict) -> str:
             f"{s['best_hand'] or 'none fits'} | {_s(s['best_hand_latency_s'])} | "
             f"{_plain(s['ratio'])} | "
             f"{_paired(s.get('paired'))} | {_below(s['faster_below_guard'])} |")
+    repairs = [(t, m) for t in doc["autotune"] for m in t["measured"] if m.get("repair")]
+    if repairs:  # study.py's memory repair (autotune/repair.py): what each added, and what came of it
+        lines += ["", "Memory repairs (a config faster than all that fit, but over the budget, measured with a saver added):", ""]
+        for t, m in repairs:
+            outcome = "fits" if m["feasible"] else (
+                "over the budget" if m["status"] == "ok" and m["violations"].get("memory", 0) > 0
+                else "below the quality guard" if m["status"] == "ok" else m["status"])
+            lines.append(f"- {_size(t['budget_bytes'])}: trial {m['number']} = trial {m['repair']['of']} + "
+                         f"{m['repair']['adds']}: {_s(m['latency_s'])}, {_size(m['peak_memory_bytes'])}, {outcome}")
     losses = [s for s in doc["summary"] if s.get("loss")]
     lines += ["", "## Where autotune lost", ""]
     lines += [f"- {_size(s['budget_bytes'])}: {s['loss']}" for s in losses] or ["- nowhere in this run."]
