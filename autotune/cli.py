@@ -157,7 +157,8 @@ def tune_parser() -> argparse.ArgumentParser:
                    "flux-schnell, tiny-sdxl, ...), a hub id in the local cache, or a local "
                    "pipeline directory (default: tiny-sdxl, offline)")
     m.add_argument("--random-weights", action="store_true",
-                   help="build the full-size architecture with random weights (no download)")
+                   help="build the full-size architecture with random weights (no download; the "
+                   "tiny models have random weights already)")
     m.add_argument("--height", type=_positive_int)
     m.add_argument("--width", type=_positive_int)
     m.add_argument("--steps", type=_positive_int)
@@ -225,7 +226,8 @@ def tune_parser() -> argparse.ArgumentParser:
     o.add_argument("--study-name", help="share or resume a study by name (default: derived "
                    "from model, workload, budget, device and space)")
     o.add_argument("--output", "-o", type=a_path,
-                   help="profile path (default: MODEL-BUDGET.yaml in the current folder)")
+                   help="profile path, its folders made as needed (default: MODEL-BUDGET.yaml in the "
+                   "current folder)")
     o.add_argument("--no-profile", action="store_true",
                    help="measure only (a worker of a shared study); write the profile later with "
                    "autotune export")
@@ -828,7 +830,8 @@ def _export(argv: list[str]) -> int:
     where.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=a_path,
                        help=f"the --workdir the study ran with, to find its default storage (default: {DEFAULT_WORKDIR})")
-    p.add_argument("--output", "-o", type=a_path, help="profile path (default: MODEL-BUDGET.yaml)")
+    p.add_argument("--output", "-o", type=a_path, help="profile path, its folders made as needed "
+                   "(default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
     storage = args.storage or default_storage(args.workdir)
     if args.output:

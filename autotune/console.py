@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -20,8 +21,16 @@ def count(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
+# Piped into a file, a pager or grep, rich lays tables out at 80 columns, and the knob table
+# (--list-knobs) folds each help text over several lines; this keeps a row on one line.
+PIPED_WIDTH = 160
+
+
 def terminal() -> Console:
-    return Console(stderr=False, highlight=False, soft_wrap=True)
+    out = Console(stderr=False, highlight=False, soft_wrap=True)
+    if not out.is_terminal and "COLUMNS" not in os.environ:  # COLUMNS: the user's own width wins
+        out.width = PIPED_WIDTH
+    return out
 
 
 def config_changes(config: dict) -> str:

@@ -243,6 +243,18 @@ def test_list_knobs_says_how_many_seeds_were_left_out(cli, tmp_path):
     assert "1 of the space's 2 seeds left out" in out  # channels_last is not searched: the baseline
 
 
+def test_list_knobs_piped_lays_the_table_out_wider_than_a_terminal(tmp_path):
+    """Piped into a file or grep (no terminal, no COLUMNS), rich would fold the table at 80 columns."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "autotune", "--model", "sdxl", "--random-weights", "--list-knobs",
+                           "--device", "cpu"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in proc.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert 80 < max(map(len, table)) <= 160
+
+
 def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
     """Names are copied from it into space files: an ellipsis in one would make a wrong value."""
     import subprocess
