@@ -56,6 +56,7 @@ from pathlib import Path
 
 from autotune.cli import measurement_defaults
 from autotune.console import config_changes  # how the CLI names a config's changes
+from autotune.measure import busy_cores
 from autotune.worker import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -256,8 +257,10 @@ def key_of(request: dict) -> str:
 class Measurements:
     """autotune's measuring function (runner.run_trial in a child process, as study.measure_in_child
     does), with one pool of results for the whole run: a request measured already is answered
-    from the pool (its saved output copied to where the new request wants it). Kept on disk, so a
-    rerun with the same --workdir resumes."""
+    from the pool (its saved output copied to where the new request wants it), unless it was timed
+    beside other processes' work: then the study asks again to measure it afresh (study.tune's
+    second trial of a disturbed config), and the pool keeps the less disturbed of the two. Kept on
+    disk, so a rerun with the same --workdir resumes."""
 
     def __init__(self, workdir: Path, trial_timeout_s: float, launcher: str, reuse: bool = True):
         self.dir = workdir / "pool"
@@ -274,6 +277,8 @@ class Measurements:
         bound = request.get("cut_above_s")
         if stored and stored.get("cut_short") and not (bound is not None and stored["latency_s"] > bound):
             stored = None  # measured roughly, as far slower than a best this request does not have
+        if stored and busy_cores(stored) is not None:
+            stored = None  # timed beside a busy neighbour: this request is the study's second trial of it
         if stored is None:
             return self._measure(request, trial_dir, tick, key)
         self.reused += 1
@@ -308,6 +313,9 @@ class Measurements:
         stored.pop("traceback", None)
         if key in self.results and not self.reuse:
             key = f"{key}#{time.time()}"  # --no-reuse: keep every measurement
+        earlier = self.results.get(key)
+        if earlier and (earlier.get("cores_taken_by_others") or 0) < (stored.get("cores_taken_by_others") or 0):
+            return result  # measured again, and more disturbed than before: the pool keeps the earlier
         self.results[key] = stored
         write_json(self.index, self.results)  # atomically: a stopped run leaves a readable index
         return result

@@ -50,3 +50,27 @@ def test_a_paired_loss_within_the_rounds_overlap_is_a_tie_not_a_loss():
     vht.settle([tie, slower])
     assert tie["loss"] is None and "rounds overlap (autotune 1.229-1.272 s, hand-cpu 1.232-1.259 s)" in tie["tie"]
     assert "drifting measurement" in slower["loss"] and "tie" not in slower
+
+
+def test_a_result_timed_beside_a_busy_neighbour_is_measured_afresh_and_the_less_disturbed_kept(tmp_path, monkeypatch):
+    """The study measures a disturbed trial a second time (study._disturbed_out_of_the_running);
+    the pool must not answer that with the first figure, nor forget the first when the second is
+    worse."""
+    from autotune import runner
+
+    spec = resolve_model("tiny-sd15")
+    pool = vht.Measurements(tmp_path, trial_timeout_s=60, launcher="fork")
+    request = worker.trial_request(spec, baseline(), spec.default_workload, "cpu")
+    key = vht.key_of(request)
+    pool.results[key] = {"status": "ok", "latency_s": 3.0, "cores_taken_by_others": 0.9}
+    # Stands in for runner.run_trial (tested with real child processes in test_runner): what is
+    # tested is which result the pool keeps.
+    fresh = iter([{"status": "ok", "latency_s": 2.0, "cores_taken_by_others": 0.1},
+                  {"status": "ok", "latency_s": 4.0, "cores_taken_by_others": 0.8}])
+    monkeypatch.setattr(runner, "run_trial", lambda *a, **k: next(fresh))
+    assert pool(request, tmp_path / "a", None)["latency_s"] == 2.0  # measured afresh
+    assert pool.results[key]["latency_s"] == 2.0  # the less disturbed replaced the first
+    assert pool(request, tmp_path / "b", None)["reused"]  # a quiet figure is reused
+    pool.results[key]["cores_taken_by_others"] = 0.5  # disturbed again, less than what comes next
+    assert pool(request, tmp_path / "c", None)["latency_s"] == 4.0
+    assert pool.results[key]["latency_s"] == 2.0  # the earlier, less disturbed, stays
