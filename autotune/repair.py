@@ -11,8 +11,8 @@ taking 1.33 s; the frozen stack with int8 weights and glibc's threshold held fit
 
 The chain is cumulative: each repair keeps the savers added before it, because savers interact
 (on a CPU, int8 weights lower the peak only once glibc's mmap threshold is held). A repair that
-breaks the quality guard, fails, or runs no faster than the fastest config that fits is dropped,
-and the next saver is tried on its parent instead. Everything is read from the measured configs
+breaks the quality guard, fails, or is no longer clearly faster than the fastest config that fits
+(FASTER_BY) is dropped, and the next saver is tried on its parent instead. Everything is read from the measured configs
 (a repair is its parent's config plus one saver), so a resumed or shared study picks up where
 another worker left off.
 """
@@ -23,34 +23,47 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import worker
-from .knobs import CATALOGUE, Config
+from .knobs import CATALOGUE, Config, matches
 from .space import SearchSpace, config_key
 
-# The savers, cheapest in latency first; a later entry for the same knob replaces an earlier one
-# (model offload, then leaf-level group offload, then sequential). On a GPU the budget is device
-# memory: the VAE decode's activations and the text encoders go first, the denoiser's weights
-# last. On a CPU everything lives in host memory: the text encoders' and denoiser's weights,
-# then glibc's threshold (which lowers the peak only once quantization frees the weights as
-# loaded: autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
+# The savers, cheapest in latency first, each (knob, choice, when): `when` a partial config the
+# config must match (knobs.matches), or None. A later entry for the same knob replaces an earlier
+# one (model offload, then leaf-level group offload, then sequential). On a GPU the budget is
+# device memory: the VAE decode's activations and the text encoders go first, the denoiser's
+# weights last. On a CPU everything lives in host memory: the text encoders' and denoiser's
+# weights, then glibc's threshold (which lowers the peak only once quantization frees the weights
+# as loaded: autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
+# Int8 weights: dynamic where compiled (the SDXL guide's stack; inductor fuses the activations'
+# quantization: frozen on this project's CPU, int8 dynamic ran 0.78 s and weight-only 1.34 s),
+# weight-only otherwise (the cheaper uncompiled: 1.37 against 1.56 s).
+_COMPILED = {"compile": [c for c in CATALOGUE["compile"].choices if c != "none"]}
+_UNCOMPILED = {"compile": "none"}
 SAVERS_CUDA = (
-    ("vae_tiling", True),
-    ("quantize_text_encoders", "int8wo"),
-    ("offload", "model"),
-    ("layerwise_casting", "fp8-e4m3"),
-    ("quantize", "int8wo"),
-    ("offload", "group-leaf-stream"),
-    ("offload", "sequential"),
-    ("dtype", "bfloat16"),
+    ("vae_tiling", True, None),
+    ("quantize_text_encoders", "int8wo", None),
+    ("offload", "model", None),
+    ("layerwise_casting", "fp8-e4m3", None),
+    ("quantize", "int8dq", _COMPILED),
+    ("quantize", "int8wo", _UNCOMPILED),
+    ("offload", "group-leaf-stream", None),
+    ("offload", "sequential", None),
+    ("dtype", "bfloat16", None),
 )
 SAVERS_CPU = (
-    ("quantize_text_encoders", "int8wo"),
-    ("quantize", "int8wo"),
-    ("malloc_mmap_threshold", "1MiB"),
-    ("dtype", "bfloat16"),
-    ("attention", "sliced"),
-    ("vae_tiling", True),
-    ("layerwise_casting", "fp8-e4m3"),
+    ("quantize_text_encoders", "int8wo", None),
+    ("quantize", "int8dq", _COMPILED),
+    ("quantize", "int8wo", _UNCOMPILED),
+    ("malloc_mmap_threshold", "1MiB", None),
+    ("dtype", "bfloat16", None),
+    ("attention", "sliced", None),
+    ("vae_tiling", True, None),
+    ("layerwise_casting", "fp8-e4m3", None),
 )
+
+# A config is repaired only while it runs this much faster than the fastest that fits: each saver
+# costs some speed, and one within a few percent of that config cannot beat it once it fits (in
+# the #8 run a chain went on at 1.501 s against 1.505 s, spending two trials for nothing).
+FASTER_BY = 0.05
 
 # At most this share of a study's trials are repairs: the rest stay the sampler's.
 SHARE = 0.5
@@ -72,12 +85,15 @@ def savers(is_cuda: bool) -> tuple:
     return SAVERS_CUDA if is_cuda else SAVERS_CPU
 
 
-def with_saver(config: Config, knob: str, value, order: tuple, space: SearchSpace) -> Config | None:
-    """`config` with one saver added, or None where it does not apply: the knob set already
-    (other than to an earlier saver of the list), the choice not searched on this machine, undone
-    by a `when` of the space, or a forbidden combination."""
+def with_saver(config: Config, saver: tuple, order: tuple, space: SearchSpace) -> Config | None:
+    """`config` with one saver of `order` added, or None where it does not apply: its `when` not
+    met, the knob set already (other than to an earlier saver of the list), the choice not searched
+    on this machine, undone by a `when` of the space, or a forbidden combination."""
+    knob, value, when = saver
+    if when is not None and not matches(when, config):
+        return None
     current = config.get(knob, CATALOGUE[knob].default)
-    earlier = [v for k, v in order[:order.index((knob, value))] if k == knob]
+    earlier = [v for k, v, _ in order[:order.index(saver)] if k == knob]
     if current == value or (current != CATALOGUE[knob].default and current not in earlier):
         return None
     if value not in space.choices_of(knob):
@@ -100,7 +116,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
 
     def fast_but_over(r) -> bool:
         return (r.status == worker.OK and r.violations.get("memory", 0) > 0
-                and r.violations.get("quality", 0) <= 0 and (fastest is None or r.latency_s < fastest))
+                and r.violations.get("quality", 0) <= 0 and (fastest is None or r.latency_s < fastest * (1 - FASTER_BY)))
 
     def chain_goes_on(child) -> bool:
         # over the budget still (measured, or out of memory where its parent was fast): add the next saver to it
@@ -111,8 +127,8 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
     def step(base) -> Repair | None | bool:
         """The next repair from `base`; False where its chain has ended or waits."""
         seen.add(config_key(base.config))
-        for knob, value in order:
-            config = with_saver(base.config, knob, value, order, space)
+        for saver in order:
+            config = with_saver(base.config, saver, order, space)
             if config is None:
                 continue
             key = config_key(config)
@@ -122,12 +138,12 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
             if child is None:
                 if known_not_to_fit(config):
                     continue
-                return Repair(config, base.number, f"{knob}={value}")
+                return Repair(config, base.number, f"{saver[0]}={saver[1]}")
             if child.feasible:
                 return False  # repaired
             if chain_goes_on(child):
                 return False if key in seen else step(child)
-            # broke the guard, failed, or no faster than what fits: the next saver, on this base
+            # broke the guard, failed, or lost its lead on what fits: the next saver, on this base
         return False
 
     # Fastest first; then seeds that ran out of memory (the guides' fast stacks, of unknown speed here)

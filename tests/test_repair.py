@@ -46,10 +46,10 @@ def test_a_repair_still_over_the_budget_keeps_its_saver_and_adds_the_next():
     chain reaches quantize + threshold, the pair that lowers a CPU peak."""
     records = [record(0, {"dtype": "bfloat16"}, latency=2.0, peak_over=-0.1), record(1, FAST, latency=1.0),
                record(2, {**FAST, "quantize_text_encoders": "int8wo"}, latency=1.05, peak_over=0.08),
-               record(3, {**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8wo"}, latency=1.2, peak_over=0.09)]
+               record(3, {**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8dq"}, latency=1.2, peak_over=0.09)]
     found = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False)
     assert found.of == 3 and found.adds == "malloc_mmap_threshold=1MiB"
-    assert found.config == CPU_SPACE.normalize({**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8wo",
+    assert found.config == CPU_SPACE.normalize({**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8dq",
                                                 "malloc_mmap_threshold": "1MiB"})
 
 
@@ -58,10 +58,12 @@ def test_a_saver_that_breaks_the_guard_or_runs_slower_than_what_fits_is_dropped_
     below_guard = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST),
                    record(2, te, latency=1.1, peak_over=-0.2, quality_ok=False)]
     found = repair.next_repair(below_guard, set(), CPU_SPACE, is_cuda=False)
-    assert (found.of, found.adds) == (1, "quantize=int8wo")
+    assert (found.of, found.adds) == (1, "quantize=int8dq")  # int8 dynamic where compiled
     assert found.config["quantize_text_encoders"] == "none"
     too_slow = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST), record(2, te, latency=2.5, peak_over=0.05)]
-    assert repair.next_repair(too_slow, set(), CPU_SPACE, is_cuda=False).adds == "quantize=int8wo"
+    assert repair.next_repair(too_slow, set(), CPU_SPACE, is_cuda=False).adds == "quantize=int8dq"
+    within_its_lead = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST), record(2, te, latency=1.92, peak_over=0.05)]
+    assert repair.next_repair(within_its_lead, set(), CPU_SPACE, is_cuda=False).adds == "quantize=int8dq"
 
 
 def test_a_chain_ends_where_a_repair_fits_and_waits_while_one_is_measured():
@@ -76,6 +78,8 @@ def test_a_chain_ends_where_a_repair_fits_and_waits_while_one_is_measured():
 def test_nothing_is_repaired_that_is_slower_than_what_fits_or_below_the_guard():
     slower = [record(0, {"dtype": "bfloat16"}, latency=1.0, peak_over=-0.1), record(1, FAST, latency=1.2)]
     assert repair.next_repair(slower, set(), CPU_SPACE, is_cuda=False) is None
+    barely_faster = [record(0, {"dtype": "bfloat16"}, latency=1.0, peak_over=-0.1), record(1, FAST, latency=0.97)]
+    assert repair.next_repair(barely_faster, set(), CPU_SPACE, is_cuda=False) is None  # savers cost more than 3%
     lossy = [record(0, {"dtype": "bfloat16"}, latency=2.0, peak_over=-0.1), record(1, FAST, quality_ok=False)]
     assert repair.next_repair(lossy, set(), CPU_SPACE, is_cuda=False) is None
 
@@ -84,7 +88,11 @@ def test_configs_the_study_skips_unmeasured_are_not_proposed():
     records = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST)]
     skipped = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False,
                                  known_not_to_fit=lambda c: c["quantize_text_encoders"] == "int8wo")
-    assert skipped.adds == "quantize=int8wo" and skipped.config["quantize_text_encoders"] == "none"
+    assert skipped.adds == "quantize=int8dq" and skipped.config["quantize_text_encoders"] == "none"
+    uncompiled = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, {"dtype": "bfloat16"})]
+    found = repair.next_repair(uncompiled, set(), CPU_SPACE, is_cuda=False,
+                               known_not_to_fit=lambda c: c["quantize_text_encoders"] == "int8wo")
+    assert found.adds == "quantize=int8wo"  # weight-only where nothing is compiled
 
 
 def test_a_seed_that_ran_out_of_memory_is_repaired_and_a_later_saver_replaces_an_earlier_one_of_its_knob():
@@ -138,8 +146,8 @@ def test_a_study_reaches_the_fast_config_that_fits_through_repairs(tmp_path: Pat
     outcome = study.tune(req, measure=measure)
     repairs = [r for r in outcome.records if r.repair]
     assert [r.repair["adds"] for r in repairs] == [
-        "quantize_text_encoders=int8wo", "quantize=int8wo", "malloc_mmap_threshold=1MiB"]
+        "quantize_text_encoders=int8wo", "quantize=int8dq", "malloc_mmap_threshold=1MiB"]
     assert repairs[0].repair["of"] == 1 and repairs[1].repair["of"] == repairs[0].number
     assert outcome.best.config == CPU_SPACE.normalize(
-        {**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8wo", "malloc_mmap_threshold": "1MiB"})
+        {**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8dq", "malloc_mmap_threshold": "1MiB"})
     assert outcome.best.latency_s == 1.1
