@@ -20,7 +20,7 @@ another worker left off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Literal
 
 from . import worker
 from .knobs import CATALOGUE, Config, matches
@@ -29,8 +29,8 @@ from .space import SearchSpace, config_key
 # The savers, cheapest in latency first, each (knob, choice, when): `when` a partial config the
 # config must match (knobs.matches), or None. A later entry for the same knob replaces an earlier
 # one (model offload, then leaf-level group offload, then sequential). On a GPU the budget is
-# device memory: the VAE decode's activations and the text encoders go first, the denoiser's
-# weights last. On a CPU everything lives in host memory: the text encoders' and denoiser's
+# device memory: the VAE decode's activations and the text encoders go first, then the
+# denoiser's weights, and half precision last (a float32 config rarely leads on a GPU). On a CPU everything lives in host memory: the text encoders' and denoiser's
 # weights, then glibc's threshold (which lowers the peak only once quantization frees the weights
 # as loaded: autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
 # Int8 weights: dynamic where compiled (the SDXL guide's stack; inductor fuses the activations'
@@ -46,6 +46,8 @@ SAVERS_CUDA = (
     ("quantize", "int8dq", _COMPILED),
     ("quantize", "int8wo", _UNCOMPILED),
     ("offload", "group-leaf-stream", None),
+    # streams beside a tiled VAE are forbidden (knobs.CONFLICTS): leaf-level without them there
+    ("offload", "group-leaf", {"vae_tiling": True}),
     ("offload", "sequential", None),
     ("dtype", "bfloat16", None),
 )
@@ -65,7 +67,8 @@ SAVERS_CPU = (
 # the #8 run a chain went on at 1.501 s against 1.505 s, spending two trials for nothing).
 FASTER_BY = 0.05
 
-# At most this share of a study's trials are repairs: the rest stay the sampler's.
+# At most this share of a study's trials (--trials) are repairs; the rest are the baseline's, the
+# seeds' and the sampler's.
 SHARE = 0.5
 
 
@@ -87,13 +90,15 @@ def savers(is_cuda: bool) -> tuple:
 
 def with_saver(config: Config, saver: tuple, order: tuple, space: SearchSpace) -> Config | None:
     """`config` with one saver of `order` added, or None where it does not apply: its `when` not
-    met, the knob set already (other than to an earlier saver of the list), the choice not searched
-    on this machine, undone by a `when` of the space, or a forbidden combination."""
+    met, the knob set already (other than by an earlier saver of the list that applies to it: an
+    int8 dynamic chosen uncompiled is not swapped for weight-only, which saves the same), the
+    choice not searched on this machine, undone by a `when` of the space, or a forbidden
+    combination."""
     knob, value, when = saver
     if when is not None and not matches(when, config):
         return None
     current = config.get(knob, CATALOGUE[knob].default)
-    earlier = [v for k, v, _ in order[:order.index(saver)] if k == knob]
+    earlier = [v for k, v, w in order[:order.index(saver)] if k == knob and (w is None or matches(w, config))]
     if current == value or (current != CATALOGUE[knob].default and current not in earlier):
         return None
     if value not in space.choices_of(knob):
@@ -105,49 +110,55 @@ def with_saver(config: Config, saver: tuple, order: tuple, space: SearchSpace) -
 
 
 def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: bool,
-                known_not_to_fit: Callable[[Config], bool] = lambda c: False) -> Repair | None:
+                dominated_by: Callable[[Config], object | None] = lambda config: None) -> Repair | None:
     """The next config to measure as a repair, or None. `records`: the study's measured trials
     (study.TrialRecord); `pending`: the keys of configs queued or being measured (a chain waits for
-    its last step); `known_not_to_fit`: configs the study skips unmeasured (study.memory_dominated),
-    which a repair must not propose, or it would be proposed again after each skip."""
+    its last step); `dominated_by`: the measured trial that shows a config cannot fit, where the
+    study skips it unmeasured (study.memory_dominated): never proposed (it would be proposed again
+    after each skip), the chain goes on from that trial instead."""
     order = savers(is_cuda)
-    fastest = min((r.latency_s for r in records if r.feasible), default=None)
     by_key = {config_key(r.config): r for r in records}
 
-    def fast_but_over(r) -> bool:
+    def fastest_before(number: int | None = None) -> float | None:
+        """The fastest feasible latency among trials before `number` (all: None). A step of a chain
+        is judged against what fitted when it was measured, not against the fit its own chain
+        reached later, or a chain that fitted would look as if it had lost its lead, and start
+        another branch."""
+        return min((r.latency_s for r in records if r.feasible and (number is None or r.number < number)),
+                   default=None)
+
+    def fast_but_over(r, fastest: float | None) -> bool:
         return (r.status == worker.OK and r.violations.get("memory", 0) > 0
                 and r.violations.get("quality", 0) <= 0 and (fastest is None or r.latency_s < fastest * (1 - FASTER_BY)))
 
-    def chain_goes_on(child) -> bool:
-        # over the budget still (measured, or out of memory where its parent was fast): add the next saver to it
-        return fast_but_over(child) or child.status == worker.OUT_OF_MEMORY
-
     seen: set[str] = set()
 
-    def step(base) -> Repair | None | bool:
-        """The next repair from `base`; False where its chain has ended or waits."""
+    def step(base, first: int = 0) -> Repair | Literal[False]:
+        """The next repair from `base`, trying the savers from `order[first]` on (those before were
+        added, did not apply, or were dropped on its way); False where its chain has ended or waits."""
         seen.add(config_key(base.config))
-        for saver in order:
+        for index in range(first, len(order)):
+            saver = order[index]
             config = with_saver(base.config, saver, order, space)
             if config is None:
                 continue
             key = config_key(config)
             if key in pending:
                 return False  # measured now or queued: wait for it
-            child = by_key.get(key)
+            child = by_key.get(key) or dominated_by(config)
             if child is None:
-                if known_not_to_fit(config):
-                    continue
                 return Repair(config, base.number, f"{saver[0]}={saver[1]}")
             if child.feasible:
                 return False  # repaired
-            if chain_goes_on(child):
-                return False if key in seen else step(child)
-            # broke the guard, failed, or lost its lead on what fits: the next saver, on this base
+            # over the budget still (measured, or out of memory where its parent was fast): the next saver on it
+            if fast_but_over(child, fastest_before(child.number)) or child.status == worker.OUT_OF_MEMORY:
+                return False if config_key(child.config) in seen else step(child, index + 1)
+            # broke the guard, failed, or lost its lead on what fitted: the next saver, on this base
         return False
 
     # Fastest first; then seeds that ran out of memory (the guides' fast stacks, of unknown speed here)
-    roots = sorted((r for r in records if fast_but_over(r)), key=lambda r: r.latency_s) + [
+    fastest = fastest_before()
+    roots = sorted((r for r in records if fast_but_over(r, fastest)), key=lambda r: r.latency_s) + [
         r for r in records if r.seeded and r.status == worker.OUT_OF_MEMORY]
     for root in roots:
         if config_key(root.config) in seen:
@@ -159,5 +170,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
 
 
 def count(trials: Iterable) -> int:
-    """The repairs among a study's trials (frozen trials, any state)."""
-    return sum(1 for t in trials if "repair" in t.user_attrs)
+    """The repairs among a study's trials (frozen trials, any state), each config once: a trial
+    queued again after Ctrl-C or a dead worker, and a twin stepping back for another worker's,
+    repeat its config."""
+    return len({tuple(sorted(t.params.items())) for t in trials if "repair" in t.user_attrs})

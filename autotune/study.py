@@ -754,7 +754,7 @@ def _queue_a_repair(req: TuneRequest, study: optuna.Study) -> None:
     records = summarize(study).records
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
     found = repair.next_repair(records, running, req.space, req.target.is_cuda,
-                               known_not_to_fit=lambda config: memory_dominated(config, records) is not None)
+                               dominated_by=lambda config: memory_dominated(config, records))
     if found:
         study.enqueue_trial(req.space.params(found.config), user_attrs=found.marks)
 

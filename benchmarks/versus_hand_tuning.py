@@ -51,6 +51,7 @@ import shlex
 import shutil
 import sys
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -277,7 +278,7 @@ class Measurements:
         bound = request.get("cut_above_s")
         if stored and stored.get("cut_short") and not (bound is not None and stored["latency_s"] > bound):
             stored = None  # measured roughly, as far slower than a best this request does not have
-        if stored and busy_cores(stored) is not None:
+        if stored and busy_cores(stored) is not None and not stored.get("measured_again"):
             stored = None  # timed beside a busy neighbour: this request is the study's second trial of it
         if stored is None:
             return self._measure(request, trial_dir, tick, key)
@@ -305,7 +306,8 @@ class Measurements:
         self.fresh += 1
         stored = copy.deepcopy(result)
         if result.get("output") and Path(result["output"]).exists():
-            kept = self.dir / f"{len(self.results):04d}.npy"
+            # a name of its own: a key measured again (cut short, disturbed) does not add to the index
+            kept = self.dir / f"{uuid.uuid4().hex[:12]}.npy"
             shutil.copyfile(result["output"], kept)
             if Path(result["output"]).with_suffix(".png").exists():
                 shutil.copyfile(Path(result["output"]).with_suffix(".png"), kept.with_suffix(".png"))
@@ -314,8 +316,13 @@ class Measurements:
         if key in self.results and not self.reuse:
             key = f"{key}#{time.time()}"  # --no-reuse: keep every measurement
         earlier = self.results.get(key)
-        if earlier and (earlier.get("cores_taken_by_others") or 0) < (stored.get("cores_taken_by_others") or 0):
-            return result  # measured again, and more disturbed than before: the pool keeps the earlier
+        if earlier and busy_cores(earlier) is not None:  # a disturbed figure measured again: once, not per study
+            if (earlier.get("cores_taken_by_others") or 0) < (stored.get("cores_taken_by_others") or 0):
+                stored = earlier  # more disturbed than before: the pool keeps the earlier
+            stored["measured_again"] = True
+            if stored is earlier:
+                write_json(self.index, self.results)
+                return result
         self.results[key] = stored
         write_json(self.index, self.results)  # atomically: a stopped run leaves a readable index
         return result

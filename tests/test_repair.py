@@ -66,6 +66,38 @@ def test_a_saver_that_breaks_the_guard_or_runs_slower_than_what_fits_is_dropped_
     assert repair.next_repair(within_its_lead, set(), CPU_SPACE, is_cuda=False).adds == "quantize=int8dq"
 
 
+def test_a_chain_that_fitted_after_several_savers_ends_there():
+    """The fit lowers the fastest feasible latency; the chain's steps before it, now within 5% of
+    it, were ahead of what fitted when they were measured: the chain is not taken for lost there
+    and branched again."""
+    te = {**FAST, "quantize_text_encoders": "int8wo"}
+    dq = {**te, "quantize": "int8dq"}
+    records = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST, latency=0.70),
+               record(2, te, latency=0.72), record(3, dq, latency=0.78),
+               record(4, {**dq, "malloc_mmap_threshold": "1MiB"}, latency=0.80, peak_over=-0.01)]
+    assert repair.next_repair(records, set(), CPU_SPACE, is_cuda=False) is None
+
+
+def test_a_saver_dropped_on_the_way_is_not_added_again_further_down():
+    te = {**FAST, "quantize_text_encoders": "int8wo"}
+    dq = {**FAST, "quantize": "int8dq"}
+    records = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST),
+               record(2, te, latency=1.1, quality_ok=False), record(3, dq, latency=1.2)]
+    found = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False)
+    assert (found.of, found.adds) == (3, "malloc_mmap_threshold=1MiB")
+    assert found.config["quantize_text_encoders"] == "none"
+
+
+def test_the_share_counts_each_repaired_config_once():
+    class Trial:  # the two fields of a FrozenTrial that count reads
+        def __init__(self, params, attrs):
+            self.params, self.user_attrs = params, attrs
+
+    mark = {"repair": {"of": 1, "adds": "x=y"}}
+    trials = [Trial({"a": 1}, mark), Trial({"a": 1}, mark), Trial({"a": 2}, mark), Trial({"a": 3}, {})]
+    assert repair.count(trials) == 2  # a config queued again after Ctrl-C counts once
+
+
 def test_a_chain_ends_where_a_repair_fits_and_waits_while_one_is_measured():
     te = {**FAST, "quantize_text_encoders": "int8wo"}
     fitted = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST), record(2, te, latency=1.1, peak_over=-0.01)]
@@ -84,15 +116,25 @@ def test_nothing_is_repaired_that_is_slower_than_what_fits_or_below_the_guard():
     assert repair.next_repair(lossy, set(), CPU_SPACE, is_cuda=False) is None
 
 
-def test_configs_the_study_skips_unmeasured_are_not_proposed():
-    records = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST)]
-    skipped = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False,
-                                 known_not_to_fit=lambda c: c["quantize_text_encoders"] == "int8wo")
-    assert skipped.adds == "quantize=int8dq" and skipped.config["quantize_text_encoders"] == "none"
-    uncompiled = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, {"dtype": "bfloat16"})]
-    found = repair.next_repair(uncompiled, set(), CPU_SPACE, is_cuda=False,
-                               known_not_to_fit=lambda c: c["quantize_text_encoders"] == "int8wo")
-    assert found.adds == "quantize=int8wo"  # weight-only where nothing is compiled
+def test_a_config_the_study_would_skip_unmeasured_is_not_proposed_and_the_chain_goes_on_from_the_trial_that_rules_it_out():
+    """The study skips a config that only needs more memory than one over the budget
+    (study.memory_dominated): proposing it would only have it skipped, and proposed again."""
+    te_tiled = {**FAST, "quantize_text_encoders": "int8wo", "vae_tiling": True}
+    records = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, FAST), record(2, te_tiled, latency=1.05)]
+    te = CPU_SPACE.normalize({**FAST, "quantize_text_encoders": "int8wo"})
+    found = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False,
+                               dominated_by=lambda c: records[2] if c == te else None)
+    assert (found.of, found.adds) == (2, "quantize=int8dq")  # on top of trial 2, never te itself
+    assert found.config == CPU_SPACE.normalize({**te_tiled, "quantize": "int8dq"})
+
+
+def test_int8_dynamic_where_compiled_weight_only_where_not_and_neither_swapped_for_the_other():
+    uncompiled = [record(0, {}, latency=2.0, peak_over=-0.1), record(1, {"dtype": "bfloat16", "quantize_text_encoders": "int8wo"})]
+    assert repair.next_repair(uncompiled, set(), CPU_SPACE, is_cuda=False).adds == "quantize=int8wo"
+    # int8 dynamic chosen by the sampler, uncompiled: int8 weights already, glibc's threshold is next
+    chosen = [record(0, {}, latency=2.0, peak_over=-0.1),
+              record(1, {"dtype": "bfloat16", "quantize_text_encoders": "int8wo", "quantize": "int8dq"})]
+    assert repair.next_repair(chosen, set(), CPU_SPACE, is_cuda=False).adds == "malloc_mmap_threshold=1MiB"
 
 
 def test_a_seed_that_ran_out_of_memory_is_repaired_and_a_later_saver_replaces_an_earlier_one_of_its_knob():
@@ -142,9 +184,10 @@ def test_a_study_reaches_the_fast_config_that_fits_through_repairs(tmp_path: Pat
     req = study.TuneRequest(
         spec=spec, workload=spec.default_workload, space=SearchSpace(CPU_SPACE.dimensions, seeds=[FAST]),
         target=Target(device="cpu", family=spec.family), study_name="s", workdir=tmp_path, storage="memory",
-        budget_bytes=1000 * MiB, min_psnr_db=None, seed=0, trials=6)
+        budget_bytes=1000 * MiB, min_psnr_db=None, seed=0, trials=10)
     outcome = study.tune(req, measure=measure)
     repairs = [r for r in outcome.records if r.repair]
+    # three savers, then none: the chain fitted (the share would allow five)
     assert [r.repair["adds"] for r in repairs] == [
         "quantize_text_encoders=int8wo", "quantize=int8dq", "malloc_mmap_threshold=1MiB"]
     assert repairs[0].repair["of"] == 1 and repairs[1].repair["of"] == repairs[0].number

@@ -71,6 +71,7 @@ def test_a_result_timed_beside_a_busy_neighbour_is_measured_afresh_and_the_less_
     assert pool(request, tmp_path / "a", None)["latency_s"] == 2.0  # measured afresh
     assert pool.results[key]["latency_s"] == 2.0  # the less disturbed replaced the first
     assert pool(request, tmp_path / "b", None)["reused"]  # a quiet figure is reused
-    pool.results[key]["cores_taken_by_others"] = 0.5  # disturbed again, less than what comes next
+    pool.results[key] = {"status": "ok", "latency_s": 2.0, "cores_taken_by_others": 0.5}  # disturbed, less than what comes
     assert pool(request, tmp_path / "c", None)["latency_s"] == 4.0
     assert pool.results[key]["latency_s"] == 2.0  # the earlier, less disturbed, stays
+    assert pool(request, tmp_path / "d", None)["reused"]  # measured again once: not again for each study
