@@ -21,6 +21,7 @@ Strategies:
 - random: `optuna.samplers.RandomSampler(seed=seed)`, same objective; with de-duplication it is
   random search without replacement over the space's allowed configs.
 - grid: `SearchSpace.configs()` in its order (baseline first, then itertools.product order).
+- ours-no-repair: ours with the memory repair (autotune/repair.py) switched off.
 - ours:NAME: the real tune loop with a sampler of VARIANTS in place of make_sampler, e.g.
   `--strategies ours,ours:tpe-mv-s5` (make_sampler before n_ei_candidates=100).
 """
@@ -61,7 +62,7 @@ RESULTS = HERE / "results"
 # batch > 1: a no-op here that would double the table with copies) and vae_tiling (acts at 256 px
 # on the tiny VAE, but costs ~15 s a call on this CPU: the table would take hours).
 DEFAULT_KNOBS = ("dtype", "fuse_qkv", "quantize", "channels_last", "attention")
-STRATEGIES = ("ours", "ours+seeds", "tpe-default", "random", "grid")
+STRATEGIES = ("ours", "ours-no-repair", "ours+seeds", "tpe-default", "random", "grid")
 WITHIN = 0.05  # "near the optimum": latency within 5% of the best feasible one
 
 
@@ -300,6 +301,16 @@ def run_ours_with(factory):
     return run
 
 
+def run_ours_without_repair(table, budget, seed, max_trials):
+    """ours, with the study's memory repair (autotune/repair.py) switched off: what it adds."""
+    real = study_mod._queue_a_repair
+    study_mod._queue_a_repair = lambda req, study: None
+    try:
+        return run_ours(table, budget, seed, max_trials)
+    finally:
+        study_mod._queue_a_repair = real
+
+
 def _quiet(factory, seed):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -309,6 +320,8 @@ def _quiet(factory, seed):
 def strategy(name: str):
     if name == "ours":
         return run_ours
+    if name == "ours-no-repair":
+        return run_ours_without_repair
     if name == "ours+seeds":  # with the shipped expert seeds (search_spaces/default.yaml)
         seeds = SearchSpace.from_file(SHIPPED_DIR / "default.yaml").seeds
         return lambda t, b, s, n: run_ours(t, b, s, n, seeds=seeds)
