@@ -672,8 +672,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
 
 # A trial whose last two warm calls (measure.too_slow) are this much slower than the fastest feasible trial so
-# far stops there, their median its figure (worker.trial_request's cut_above_s; one warm call far
-# over it does, where nothing is compiled in it: measure.far_slower_at_once): it cannot be a
+# far stops there, their median its figure (worker.trial_request's cut_above_s; its first warm
+# call alone does when far over it: measure.far_slower_at_once): it cannot be a
 # contender (those are within 1 + CONTENDER_WITHIN of the fastest), and a precise median of a
 # config that slow would cost minutes per trial for nothing (float16 on a CPU, sequential offload).
 # Its peak memory is tracked through its calls, so it still counts for the Pareto front. Optuna's pruners do
@@ -745,18 +745,21 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     return kept
 
 
-def _queue_a_repair(req: TuneRequest, study: optuna.Study) -> None:
+def _queue_a_repair(req: TuneRequest, study: optuna.Study) -> bool:
     """Queue the next memory repair (repair.py) when nothing else waits to be measured (seeds and
-    an earlier study's configs go first) and repairs hold less than their share of the trials."""
+    an earlier study's configs go first) and repairs hold less than their share of the trials.
+    Whether a repair waits to be measured (queued now or before)."""
     trials = study.get_trials(deepcopy=False)
-    if any(t.state == TrialState.WAITING for t in trials) or repair.count(trials) >= req.trials * repair.SHARE:
-        return
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    if waiting or repair.count(trials) >= req.trials * repair.SHARE:
+        return any("repair" in t.user_attrs for t in waiting)
     records = summarize(study).records
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
     found = repair.next_repair(records, running, req.space, req.target.is_cuda,
                                dominated_by=lambda config: memory_dominated(config, records))
     if found:
         study.enqueue_trial(req.space.params(found.config), user_attrs=found.marks)
+    return found is not None
 
 
 def _frozen_on_cpu(seed: Config) -> list[Config]:
@@ -836,10 +839,6 @@ def tune(
         if _past(deadline):
             reason = f"--timeout {req.timeout_s:g} s reached"
             break
-        stale = trials_since_improvement(study)
-        if req.patience and stale >= req.patience:
-            reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
-            break
         if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
             reason = "the sampler keeps proposing configurations measured already"
             break
@@ -847,7 +846,13 @@ def tune(
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
             continue
 
-        _queue_a_repair(req, study)
+        repairing = _queue_a_repair(req, study)
+        stale = trials_since_improvement(study)
+        # A repair chain improves the best only at its last step, if at all: patience waits for it.
+        if req.patience and stale >= req.patience and not repairing:
+            reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
+            break
+
         with warnings.catch_warnings():
             # Optuna warns that heartbeats are meant for Study.optimize; in ask-and-tell this
             # loop records them itself (runner's tick), which is what the warning asks for.

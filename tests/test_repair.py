@@ -166,26 +166,31 @@ def test_a_seed_that_ran_out_of_memory_is_repaired_and_a_later_saver_replaces_an
     assert repair.next_repair([oom], set(), space, is_cuda=True) is None
 
 
+def scripted_measure(req: dict, trial_dir: Path, tick) -> dict:
+    c = req["config"]
+    latency = (1.0 if c["compile"] == "default" else 2.0) * (1.0 if c["dtype"] == "bfloat16" else 1.5)
+    latency *= 1.1 if c["quantize"] != "none" else 1.0
+    peak = (1200 if c["compile"] == "default" else 700) * (1.0 if c["dtype"] == "bfloat16" else 1.6)
+    peak += {"dynamic": 100, "1MiB": -450}[c["malloc_mmap_threshold"]] if c["quantize"] != "none" else 0
+    peak -= 50 if c["quantize_text_encoders"] == "int8wo" else 0
+    return {"status": "ok", "latency_s": latency, "peak_memory_bytes": int(peak * MiB)}
+
+
+def scripted_request(workdir: Path, **settings) -> study.TuneRequest:
+    spec = resolve_model("tiny-sd15")
+    return study.TuneRequest(
+        spec=spec, workload=spec.default_workload, space=SearchSpace(CPU_SPACE.dimensions, seeds=[FAST]),
+        target=Target(device="cpu", family=spec.family), study_name="s", workdir=workdir, storage="memory",
+        budget_bytes=1000 * MiB, min_psnr_db=None, seed=0, **settings)
+
+
 def test_a_study_reaches_the_fast_config_that_fits_through_repairs(tmp_path: Path):
-    """Scripted peaks: compiled bf16 runs 1.0 s at 1200 MiB, over the 1000 MiB budget; int8 weights
+    """Scripted (scripted_measure): compiled bf16 runs 1.0 s at 1200 MiB, over the 1000 MiB budget; int8 weights
     add 100 MiB unless glibc's threshold is held, which takes 450 MiB off; the text encoders' int8
     weights take 50 MiB off. Compiled bf16 + both int8 + the threshold is the fast config that fits,
     three savers away from the seed, and the sampler's random draws are unlikely to meet it."""
-    def measure(req: dict, trial_dir: Path, tick) -> dict:
-        c = req["config"]
-        latency = (1.0 if c["compile"] == "default" else 2.0) * (1.0 if c["dtype"] == "bfloat16" else 1.5)
-        latency *= 1.1 if c["quantize"] != "none" else 1.0
-        peak = (1200 if c["compile"] == "default" else 700) * (1.0 if c["dtype"] == "bfloat16" else 1.6)
-        peak += {"dynamic": 100, "1MiB": -450}[c["malloc_mmap_threshold"]] if c["quantize"] != "none" else 0
-        peak -= 50 if c["quantize_text_encoders"] == "int8wo" else 0
-        return {"status": "ok", "latency_s": latency, "peak_memory_bytes": int(peak * MiB)}
-
-    spec = resolve_model("tiny-sd15")
-    req = study.TuneRequest(
-        spec=spec, workload=spec.default_workload, space=SearchSpace(CPU_SPACE.dimensions, seeds=[FAST]),
-        target=Target(device="cpu", family=spec.family), study_name="s", workdir=tmp_path, storage="memory",
-        budget_bytes=1000 * MiB, min_psnr_db=None, seed=0, trials=10)
-    outcome = study.tune(req, measure=measure)
+    req = scripted_request(tmp_path, trials=10)
+    outcome = study.tune(req, measure=scripted_measure)
     repairs = [r for r in outcome.records if r.repair]
     # three savers, then none: the chain fitted (the share would allow five)
     assert [r.repair["adds"] for r in repairs] == [
@@ -194,3 +199,29 @@ def test_a_study_reaches_the_fast_config_that_fits_through_repairs(tmp_path: Pat
     assert outcome.best.config == CPU_SPACE.normalize(
         {**FAST, "quantize_text_encoders": "int8wo", "quantize": "int8dq", "malloc_mmap_threshold": "1MiB"})
     assert outcome.best.latency_s == 1.1
+
+
+def test_the_baseline_is_never_repaired_and_while_nothing_fits_a_repair_must_beat_it():
+    """Fast, with nothing fitting yet, means faster than doing nothing; the baseline itself is not
+    repaired, even where it runs faster than all that fits: with nothing set, its chain would only
+    walk the savers, as the sampler does."""
+    base = record(0, {}, latency=3.0)
+    base.baseline = True
+    assert repair.next_repair([base], set(), CPU_SPACE, is_cuda=False) is None
+    slow_fit = record(3, {"vae_tiling": True, "quantize": "int8wo"}, latency=6.0, peak_over=-0.1)
+    assert repair.next_repair([base, slow_fit], set(), CPU_SPACE, is_cuda=False) is None
+    near = record(1, {"dtype": "bfloat16"}, latency=2.9)
+    assert repair.next_repair([base, near], set(), CPU_SPACE, is_cuda=False) is None
+    fast = record(2, FAST, latency=1.0)
+    assert repair.next_repair([base, near, fast], set(), CPU_SPACE, is_cuda=False).of == 2
+
+
+def test_patience_waits_for_a_repair_chain(tmp_path: Path):
+    """Nothing fits before the chain's last step, so every trial before it counts as one without
+    improvement: --patience 2 would stop after the baseline and the seed, the fast config that fits
+    three repairs away."""
+    outcome = study.tune(scripted_request(tmp_path, trials=20, patience=2), measure=scripted_measure)
+    assert [r.repair["adds"] for r in outcome.records if r.repair] == [
+        "quantize_text_encoders=int8wo", "quantize=int8dq", "malloc_mmap_threshold=1MiB"]
+    assert outcome.best.latency_s == 1.1 and "--patience 2" in outcome.stop_reason
+    assert len(outcome.records) < 20
