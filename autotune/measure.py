@@ -266,27 +266,31 @@ def too_slow(times: list[float], bound: float | None, steady: float = STEADY) ->
     return len(times) >= 3 or abs(times[1] - times[0]) <= steady * times[0]
 
 
-# A first call this many times over the cut's bound (`far_slower_at_once`): where nothing is
-# compiled or autotuned in it, the first call is about as slow as the next (one-time allocations
-# and kernel choices cost a fraction), so it says what two warm calls would. On this project's
-# 2-core CPU, float16 with int8 weight-only and one-slice attention took 394 s a call against the
-# fastest trial's 1.3 s, and its second warm call cost another 6.5 minutes for the same verdict.
+# The first warm call this many times over the cut's bound (`far_slower_at_once`): where nothing is
+# compiled or autotuned in it, the first call is already warm (one-time allocations and kernel
+# choices cost a fraction of it); where it compiles, the second is (a CUDA graph recorded there
+# excepted: the caller passes no first warm call for those modes). One warm call says what two
+# would. On this project's 2-core CPU, float16 with int8 weight-only and one-slice attention took
+# 394 s a call against the fastest trial's 1.3 s, and its second warm call cost another 6.5 minutes
+# for the same verdict; a compiled float16 config ran on to the trial timeout (20 minutes).
 FAR_SLOWER = 3.0
 
 
-def far_slower_at_once(times: list[float], bound: float | None, first_call_is_warm: bool) -> bool:
-    """One call only, over FAR_SLOWER times `bound`, and nothing in it that only a first call pays
-    (`first_call_is_warm`: no compilation, no cuDNN autotuning): too slow, without a second."""
-    return first_call_is_warm and bound is not None and len(times) == 1 and times[0] > FAR_SLOWER * bound
+def far_slower_at_once(times: list[float], bound: float | None, first_warm_call: int | None) -> bool:
+    """The calls so far end with the first warm one (index `first_warm_call`: 0 where nothing is
+    compiled or autotuned in the first call, 1 where it is, None where no single call says it),
+    and it took over FAR_SLOWER times `bound`: too slow, without a second warm call."""
+    return (first_warm_call is not None and bound is not None and len(times) == first_warm_call + 1
+            and times[-1] > FAR_SLOWER * bound)
 
 
 def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = STEADY,
-            slow_above_s: float | None = None, first_call_is_warm: bool = False):
+            slow_above_s: float | None = None, first_warm_call: int | None = None):
     """Call until two calls in a row take times within `steady` of each other (compilation,
     cuDNN autotuning and allocator growth happen in the first calls), at least `min_calls` and at
     most `max_calls` times, or until two warm calls in a row take over `slow_above_s` (too slow
-    to be worth a steady figure; `too_slow`), or one call far over it where the first call is a
-    warm one (`far_slower_at_once`). Returns (seconds of each call, output of the first call)."""
+    to be worth a steady figure; `too_slow`), or the first warm call (index `first_warm_call`) far
+    over it (`far_slower_at_once`). Returns (seconds of each call, output of the first call)."""
     times: list[float] = []
     first_output = None
     while len(times) < max(1, max_calls):
@@ -297,7 +301,7 @@ def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: f
         if len(times) >= max(2, min_calls) and abs(times[-1] - times[-2]) <= steady * times[-2]:
             break
         if len(times) >= min_calls and (too_slow(times, slow_above_s, steady)
-                                        or far_slower_at_once(times, slow_above_s, first_call_is_warm)):
+                                        or far_slower_at_once(times, slow_above_s, first_warm_call)):
             break
     return times, first_output
 

@@ -100,6 +100,18 @@ def placed_over(config: dict, device: str) -> tuple[str, ...]:
     return tuple(f"cuda:{i}" for i in range(cuda_device_count()))
 
 
+def _first_warm_call(config: dict, device: str) -> int | None:
+    """Which call of a trial is its first warm one (measure.far_slower_at_once): the first where
+    nothing is compiled or autotuned in it, the second where it is, none to rely on where the
+    calls after the first record a CUDA graph (how many they take is torch's business)."""
+    from .knobs.compile import CUDA_GRAPH_MODES
+
+    mode = config.get("compile", "none")
+    if device.startswith("cuda") and mode in CUDA_GRAPH_MODES:
+        return None
+    return 0 if mode == "none" and not config.get("cudnn_benchmark") else 1
+
+
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     """Measure one trial as `request` (trial_request) asks; the result, failures classified."""
     import numpy as np
@@ -161,10 +173,9 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
 
         phase = "warm-up"
         during_warm_up = OtherCpuUse() if device == "cpu" else None  # for a trial cut short there
-        # nothing compiled or autotuned in the first call: it is as slow as the next
-        first_call_is_warm = config.get("compile", "none") == "none" and not config.get("cudnn_benchmark")
+        first_warm_call = _first_warm_call(config, device)
         warm_times, output = warm_up(call, device, min_calls=request["warmup"], max_calls=request["max_warmup"],
-                                     slow_above_s=request["cut_above_s"], first_call_is_warm=first_call_is_warm)
+                                     slow_above_s=request["cut_above_s"], first_warm_call=first_warm_call)
         # The first call pays for compilation and autotuning: the cold start a server sees.
         result["first_call_s"] = warm_times[0]
         result["cold_start_s"] = result["load_s"] + warm_times[0]
@@ -185,15 +196,15 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return result
         phase = "timed calls"
         bound = request["cut_above_s"]
-        if too_slow(warm_times, bound) or far_slower_at_once(warm_times, bound, first_call_is_warm):
+        if too_slow(warm_times, bound) or far_slower_at_once(warm_times, bound, first_warm_call):
             # Far slower than the study's best: a precise median would not change the pick, and
             # on a CPU such a config (float16 there) costs minutes per trial. Its last two warm
             # calls (or its one, far over), timed like the timed calls, are its figure; memory was
             # tracked through all, a whole call at least.
-            if len(warm_times) == 1:
-                result.update(summarize(warm_times))
-                result["cut_short"] = (f"its one warm-up call took {warm_times[0]:.3f} s, over {FAR_SLOWER:g} x "
-                                       f"{bound:.3f} s, with nothing to compile in it")
+            if far_slower_at_once(warm_times, bound, first_warm_call):
+                result.update(summarize(warm_times[-1:]))
+                result["cut_short"] = (f"its first warm call took {warm_times[-1]:.3f} s, over {FAR_SLOWER:g} x "
+                                       f"{bound:.3f} s")
             else:
                 result.update(summarize(warm_times[-2:]))
                 result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "

@@ -51,18 +51,22 @@ def test_warm_up_ends_after_two_warm_calls_over_the_slow_bound():
     assert len(times) == 4  # under the bound: warmed up until steady
 
 
-def test_one_call_far_over_the_bound_ends_the_warm_up_only_where_nothing_is_compiled():
-    # 0.8 s against a bound of 0.2 s: over 3x. Nothing compiled in it: one call says it
+def test_the_first_warm_call_far_over_the_bound_ends_the_warm_up():
+    # 0.8 s against a bound of 0.2 s: over 3x. Nothing compiled in it: the first call says it
     times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", max_calls=3, steady=0.5, slow_above_s=0.2,
-                       first_call_is_warm=True)
-    assert times == [pytest.approx(0.8, abs=0.1)] and far_slower_at_once(times, 0.2, True)
-    # a first call that compiles is cold: two calls, as before
-    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", max_calls=3, steady=0.5, slow_above_s=0.2)
-    assert len(times) == 2 and not far_slower_at_once(times[:1], 0.2, False)
+                       first_warm_call=0)
+    assert times == [pytest.approx(0.8, abs=0.1)] and far_slower_at_once(times, 0.2, 0)
+    # a first call that compiles is cold: the second says it (1.6 s cold, 0.8 s warm: not steady)
+    times, _ = warm_up(sleeper([1.6, 0.8, 0.8]), "cpu", max_calls=3, steady=0.1, slow_above_s=0.2,
+                       first_warm_call=1)
+    assert len(times) == 2 and far_slower_at_once(times, 0.2, 1) and not far_slower_at_once(times[:1], 0.2, 1)
+    # no call to rely on (CUDA graphs recorded in the calls after the first): two warm calls
+    times, _ = warm_up(sleeper([1.6, 0.8, 0.8]), "cpu", max_calls=3, steady=0.1, slow_above_s=0.2)
+    assert len(times) == 3 and not far_slower_at_once(times[:2], 0.2, None)
     # under 3x the bound, or no bound, or --warmup 2: not by one call
-    assert not far_slower_at_once([0.5], 0.2, True) and not far_slower_at_once([0.8], None, True)
+    assert not far_slower_at_once([0.5], 0.2, 0) and not far_slower_at_once([0.8], None, 0)
     times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", min_calls=2, max_calls=3, steady=0.5, slow_above_s=0.2,
-                       first_call_is_warm=True)
+                       first_warm_call=0)
     assert len(times) == 2
 
 
