@@ -186,8 +186,8 @@ def tune_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                    help="start no new trial after this long")
     s.add_argument("--patience", type=_positive_int, metavar="N",
-                   help="stop early when the best has not improved by 1%% in N measured trials (not while a memory "
-                   "repair waits to be measured)")
+                   help="stop early when the best has not improved by 1%% in N measured trials (not while memory "
+                   "repair has a step to measure)")
     s.add_argument("--confirm", type=_rounds, default=2, metavar="ROUNDS",
                    help="once the search stops, measure the fastest feasible configs (up to 3, and the "
                    "baseline if it is close) again this many times each, in alternation; the pick is "

@@ -272,16 +272,32 @@ def too_slow(times: list[float], bound: float | None, steady: float = STEADY) ->
 # excepted: the caller passes no first warm call for those modes). One warm call says what two
 # would. On this project's 2-core CPU, float16 with int8 weight-only and one-slice attention took
 # 394 s a call against the fastest trial's 1.3 s, and its second warm call cost another 6.5 minutes
-# for the same verdict; a compiled float16 config ran on to the trial timeout (20 minutes).
+# for the same verdict (a compiled float16 config of the same run reached the trial timeout, 20
+# minutes, with no figure: how its calls went is not known, only that they were slow).
 FAR_SLOWER = 3.0
 
 
 def far_slower_at_once(times: list[float], bound: float | None, first_warm_call: int | None) -> bool:
     """The calls so far end with the first warm one (index `first_warm_call`: 0 where nothing is
     compiled or autotuned in the first call, 1 where it is, None where no single call says it),
-    and it took over FAR_SLOWER times `bound`: too slow, without a second warm call."""
+    and it took over FAR_SLOWER times `bound`: too slow, without a second warm call. (`--warmup N`
+    asks for N calls at least: over 1, an uncompiled trial never stops at its first call; a compiled
+    one still may at its second.)"""
     return (first_warm_call is not None and bound is not None and len(times) == first_warm_call + 1
             and times[-1] > FAR_SLOWER * bound)
+
+
+def cut_short(warm_times: list[float], bound: float | None, first_warm_call: int | None) -> dict | None:
+    """The figure of a trial whose warm-up ended it (`too_slow`, `far_slower_at_once`), or None
+    where it goes on to timed calls: its last two warm calls (or its first warm one, far over the
+    bound) summarized as timed calls are, with `cut_short` saying why."""
+    if too_slow(warm_times, bound):
+        return {**summarize(warm_times[-2:]), "cut_above_s": bound,
+                "cut_short": f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, over {bound:.3f} s"}
+    if far_slower_at_once(warm_times, bound, first_warm_call):
+        return {**summarize(warm_times[-1:]), "cut_above_s": bound,
+                "cut_short": f"its first warm call took {warm_times[-1]:.3f} s, over {FAR_SLOWER:g} x {bound:.3f} s"}
+    return None
 
 
 def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = STEADY,

@@ -1,5 +1,5 @@
-"""Memory repair: a configuration that ran faster than every one that fits, but over the budget,
-is measured again with memory-saving choices added, one more per trial, the way a person tuning
+"""Memory repair: a configuration that ran faster than every one that fits (while none fits, than
+the baseline, which is never repaired itself), but over the budget, is measured again with memory-saving choices added, one more per trial, the way a person tuning
 by hand answers an out-of-memory error (the diffusers memory guide: tile the VAE, offload the
 model, then finer offload).
 
@@ -12,7 +12,7 @@ taking 1.33 s; the frozen stack with int8 weights and glibc's threshold held fit
 The chain is cumulative: each repair keeps the savers added before it, because savers interact
 (on a CPU, int8 weights lower the peak only once glibc's mmap threshold is held). A repair that
 breaks the quality guard, fails, or is no longer clearly faster than the fastest config that fits
-(FASTER_BY) is dropped, and the next saver is tried on its parent instead. Everything is read from the measured configs
+(FASTER_BY; the baseline while none fits) is dropped, and the next saver is tried on its parent instead. Everything is read from the measured configs
 (a repair is its parent's config plus one saver), so a resumed or shared study picks up where
 another worker left off.
 """
@@ -62,7 +62,8 @@ SAVERS_CPU = (
     ("layerwise_casting", "fp8-e4m3", None),
 )
 
-# A config is repaired only while it runs this much faster than the fastest that fits: each saver
+# A config is repaired only while it runs this much faster than the fastest that fits (while none
+# fits, than the baseline): each saver
 # costs some speed, and one within a few percent of that config cannot beat it once it fits (in
 # the #8 run a chain went on at 1.501 s against 1.505 s, spending two trials for nothing).
 FASTER_BY = 0.05
@@ -111,7 +112,9 @@ def with_saver(config: Config, saver: tuple, order: tuple, space: SearchSpace) -
 
 def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: bool,
                 dominated_by: Callable[[Config], object | None] = lambda config: None) -> Repair | None:
-    """The next config to measure as a repair, or None. `records`: the study's measured trials
+    """The next config to measure as a repair, or None: from the fastest config over the budget
+    that runs over FASTER_BY faster than the fastest that fits (while none fits, than the baseline;
+    the baseline itself is never a root), or a seed that ran out of memory. `records`: the study's measured trials
     (study.TrialRecord); `pending`: the keys of configs queued or being measured (a chain waits for
     its last step); `dominated_by`: the measured trial that shows a config cannot fit, where the
     study skips it unmeasured (study.memory_dominated): never proposed (it would be proposed again
@@ -126,9 +129,15 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
         fits, the baseline's: a repair is for a config that is fast, and with nothing fitting yet,
         fast means faster than doing nothing. A step of a chain is judged against what fitted when
         it was measured, not against the fit its own chain reached later, or a chain that fitted
-        would look as if it had lost its lead, and start another branch."""
-        return min((r.latency_s for r in records if r.feasible and (number is None or r.number < number)),
-                   default=baseline.latency_s if baseline else None)
+        would look as if it had lost its lead, and start another branch. None when neither is
+        known (the baseline failed, ran out of memory, or is measured later, as after a Ctrl-C
+        requeue): then any config that ran over the budget is fast enough, as doing nothing did
+        not run or has no figure to beat."""
+        def before(r) -> bool:
+            return number is None or r.number < number
+
+        to_beat = baseline.latency_s if baseline is not None and before(baseline) else None
+        return min((r.latency_s for r in records if r.feasible and before(r)), default=to_beat)
 
     def fast_but_over(r, fastest: float | None) -> bool:
         return (r.status == worker.OK and r.violations.get("memory", 0) > 0

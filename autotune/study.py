@@ -848,7 +848,9 @@ def tune(
 
         repairing = _queue_a_repair(req, study)
         stale = trials_since_improvement(study)
-        # A repair chain improves the best only at its last step, if at all: patience waits for it.
+        # A repair chain improves the best only at its last step, if at all, and its root ran
+        # faster than all that fits: patience waits while one has a step to measure (repairs
+        # take at most repair.SHARE of the trials).
         if req.patience and stale >= req.patience and not repairing:
             reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
             break

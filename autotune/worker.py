@@ -102,14 +102,21 @@ def placed_over(config: dict, device: str) -> tuple[str, ...]:
 
 def _first_warm_call(config: dict, device: str) -> int | None:
     """Which call of a trial is its first warm one (measure.far_slower_at_once): the first where
-    nothing is compiled or autotuned in it, the second where it is, none to rely on where the
-    calls after the first record a CUDA graph (how many they take is torch's business)."""
+    nothing is compiled, autotuned or JIT-built in it, the second where it is, none to rely on where
+    the calls after the first record a CUDA graph (how many they take is torch's business)."""
     from .knobs.compile import CUDA_GRAPH_MODES
 
     mode = config.get("compile", "none")
     if device.startswith("cuda") and mode in CUDA_GRAPH_MODES:
         return None
-    return 0 if mode == "none" and not config.get("cudnn_benchmark") else 1
+    # On a GPU, cuDNN's attention builds its plans, and the dispatcher's sage and flash-attn
+    # backends may build kernels, in their first call.
+    cold_first = mode != "none" or config.get("cudnn_benchmark") or (
+        device.startswith("cuda") and config.get("attention") in COLD_FIRST_ATTENTION)
+    return 1 if cold_first else 0
+
+
+COLD_FIRST_ATTENTION = ("sdpa-cudnn", "sage", "flash-attn", "flash-attn-3")
 
 
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
@@ -120,8 +127,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     from . import quality
 
     from .knobs import Target, build_configured
-    from .measure import (FAR_SLOWER, MemoryTracker, OtherCpuUse, far_slower_at_once, summarize, timed_calls,
-                          too_slow, warm_up)
+    from .measure import MemoryTracker, OtherCpuUse, cut_short, timed_calls, warm_up
     from .models import ModelSpec
     from .workload import Workload
 
@@ -196,20 +202,13 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
             return result
         phase = "timed calls"
         bound = request["cut_above_s"]
-        if too_slow(warm_times, bound) or far_slower_at_once(warm_times, bound, first_warm_call):
+        cut = cut_short(warm_times, bound, first_warm_call)
+        if cut:
             # Far slower than the study's best: a precise median would not change the pick, and
-            # on a CPU such a config (float16 there) costs minutes per trial. Its last two warm
-            # calls (or its one, far over), timed like the timed calls, are its figure; memory was
-            # tracked through all, a whole call at least.
-            if far_slower_at_once(warm_times, bound, first_warm_call):
-                result.update(summarize(warm_times[-1:]))
-                result["cut_short"] = (f"its first warm call took {warm_times[-1]:.3f} s, over {FAR_SLOWER:g} x "
-                                       f"{bound:.3f} s")
-            else:
-                result.update(summarize(warm_times[-2:]))
-                result["cut_short"] = (f"its warm calls took {warm_times[-2]:.3f} and {warm_times[-1]:.3f} s, "
-                                       f"over {bound:.3f} s")
-            result["cut_above_s"] = bound
+            # on a CPU such a config (float16 there) costs minutes per trial. Its warm calls, timed
+            # like the timed calls, are its figure; memory was tracked through all, a whole call
+            # at least.
+            result.update(cut)
             if during_warm_up:
                 result["cores_taken_by_others"] = during_warm_up.taken()
         else:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from autotune.measure import far_slower_at_once, summarize, timed_calls, too_slow, warm_up
+from autotune.measure import cut_short, far_slower_at_once, summarize, timed_calls, too_slow, warm_up
 
 
 def sleeper(durations):
@@ -62,12 +62,30 @@ def test_the_first_warm_call_far_over_the_bound_ends_the_warm_up():
     assert len(times) == 2 and far_slower_at_once(times, 0.2, 1) and not far_slower_at_once(times[:1], 0.2, 1)
     # no call to rely on (CUDA graphs recorded in the calls after the first): two warm calls
     times, _ = warm_up(sleeper([1.6, 0.8, 0.8]), "cpu", max_calls=3, steady=0.1, slow_above_s=0.2)
-    assert len(times) == 3 and not far_slower_at_once(times[:2], 0.2, None)
-    # under 3x the bound, or no bound, or --warmup 2: not by one call
+    assert len(times) == 3
+    # under 3x the bound, or no bound, or --warmup 2 where nothing is compiled: not by one call
     assert not far_slower_at_once([0.5], 0.2, 0) and not far_slower_at_once([0.8], None, 0)
     times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", min_calls=2, max_calls=3, steady=0.5, slow_above_s=0.2,
                        first_warm_call=0)
     assert len(times) == 2
+
+
+def test_a_cut_trial_s_figure_is_its_warm_calls_never_the_cold_one():
+    # compiled: cold 9 s, first warm call 0.8 s, over 3 x 0.2 s: that call alone is the figure
+    cut = cut_short([9.0, 0.8], 0.2, first_warm_call=1)
+    assert cut["latency_s"] == 0.8 and cut["calls"] == 1 and cut["cut_above_s"] == 0.2
+    assert cut["cut_short"] == "its first warm call took 0.800 s, over 3 x 0.200 s"
+    # nothing compiled: the first call is warm
+    assert cut_short([0.8], 0.2, first_warm_call=0)["latency_s"] == 0.8
+    # the first two agree (the compile cost little): both warm, and both the figure
+    cut = cut_short([0.82, 0.8], 0.2, first_warm_call=1)
+    assert cut["calls"] == 2 and cut["cut_short"].startswith("its warm calls took 0.820 and 0.800 s")
+    # two warm calls after a cold one
+    assert cut_short([9.0, 0.5, 0.45], 0.2, first_warm_call=None)["latencies_s"] == [0.5, 0.45]
+    # not over the bound, or no bound, or a cold call only: timed calls follow
+    assert cut_short([9.0, 0.3], 0.2, first_warm_call=1) is None
+    assert cut_short([9.0, 0.8], None, first_warm_call=1) is None
+    assert cut_short([9.0], 0.2, first_warm_call=1) is None
 
 
 def test_two_slow_calls_that_agree_from_the_start_are_warm_already():

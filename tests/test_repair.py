@@ -210,6 +210,11 @@ def test_the_baseline_is_never_repaired_and_while_nothing_fits_a_repair_must_bea
     assert repair.next_repair([base], set(), CPU_SPACE, is_cuda=False) is None
     slow_fit = record(3, {"vae_tiling": True, "quantize": "int8wo"}, latency=6.0, peak_over=-0.1)
     assert repair.next_repair([base, slow_fit], set(), CPU_SPACE, is_cuda=False) is None
+    # a baseline without a figure (out of memory) leaves nothing to beat: anything that ran is fast
+    failed = record(0, {}, status=worker.OUT_OF_MEMORY)
+    failed.baseline = True
+    near = record(1, {"dtype": "bfloat16"}, latency=2.9)
+    assert repair.next_repair([failed, near], set(), CPU_SPACE, is_cuda=False).of == 1
     near = record(1, {"dtype": "bfloat16"}, latency=2.9)
     assert repair.next_repair([base, near], set(), CPU_SPACE, is_cuda=False) is None
     fast = record(2, FAST, latency=1.0)
@@ -225,3 +230,4 @@ def test_patience_waits_for_a_repair_chain(tmp_path: Path):
         "quantize_text_encoders=int8wo", "quantize=int8dq", "malloc_mmap_threshold=1MiB"]
     assert outcome.best.latency_s == 1.1 and "--patience 2" in outcome.stop_reason
     assert len(outcome.records) < 20
+

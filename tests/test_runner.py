@@ -181,7 +181,7 @@ def test_a_trial_far_slower_than_the_bound_stops_after_its_first_warm_call(tmp_p
     cut = runner.run_trial(request(repeats=3, cut_above_s=0.0), tmp_path / "cut", timeout_s=300, launcher="fork")
     assert cut["status"] == worker.OK and cut["cut_above_s"] == 0.0
     # nothing compiled in the first call: it stands for the timed calls by itself (the second
-    # when it compiles: test_measure's warm-up tests, and the test below)
+    # when it compiles: test_measure's warm-up and cut_short tests)
     assert cut["cut_short"].startswith("its first warm call took ") and "over 3 x 0.000 s" in cut["cut_short"]
     assert len(cut["warmup_s"]) == 1 and cut["calls"] == 1 and cut["latency_s"] == cut["warmup_s"][0]
     assert cut["peak_memory_bytes"] > 0
@@ -195,6 +195,10 @@ def test_the_first_warm_call_is_the_second_where_the_first_compiles_and_none_whe
     assert worker._first_warm_call({"compile": "max-autotune"}, "cpu") == 1  # no CUDA graphs on a CPU
     assert worker._first_warm_call({"compile": "max-autotune-no-cudagraphs"}, "cuda") == 1
     assert worker._first_warm_call({"compile": "reduce-overhead"}, "cuda:0") is None
+    # kernels built or planned in the first call on a GPU
+    assert worker._first_warm_call({"compile": "none", "attention": "sdpa-cudnn"}, "cuda") == 1
+    assert worker._first_warm_call({"compile": "none", "attention": "sage"}, "cuda") == 1
+    assert worker._first_warm_call({"compile": "none", "attention": "sdpa"}, "cuda") == 0
 
 
 def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path):
