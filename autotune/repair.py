@@ -1,7 +1,8 @@
 """Memory repair: a configuration that ran faster than every one that fits (while none fits, than
-the baseline, which is never repaired itself), but over the budget, is measured again with memory-saving choices added, one more per trial, the way a person tuning
-by hand answers an out-of-memory error (the diffusers memory guide: tile the VAE, offload the
-model, then finer offload).
+the baseline, which is never repaired itself), but over the budget, is measured again with
+memory-saving choices added, one more per trial, the way a person tuning by hand answers an
+out-of-memory error (the diffusers memory guide: tile the VAE, offload the model, then finer
+offload).
 
 Why the search needs it: the sampler learns feasibility from constraints over some twenty knobs,
 and in a dozen trials it rarely lands on the one combination of a fast stack and the savers that
@@ -12,9 +13,9 @@ taking 1.33 s; the frozen stack with int8 weights and glibc's threshold held fit
 The chain is cumulative: each repair keeps the savers added before it, because savers interact
 (on a CPU, int8 weights lower the peak only once glibc's mmap threshold is held). A repair that
 breaks the quality guard, fails, or is no longer clearly faster than the fastest config that fits
-(FASTER_BY; the baseline while none fits) is dropped, and the next saver is tried on its parent instead. Everything is read from the measured configs
-(a repair is its parent's config plus one saver), so a resumed or shared study picks up where
-another worker left off.
+(FASTER_BY; the baseline while none fits) is dropped, and the next saver is tried on its parent
+instead. Everything is read from the measured configs (a repair is its parent's config plus one
+saver), so a resumed or shared study picks up where another worker left off.
 """
 
 from __future__ import annotations
@@ -30,21 +31,21 @@ from .space import SearchSpace, config_key
 # config must match (knobs.matches), or None. A later entry for the same knob replaces an earlier
 # one (model offload, then leaf-level group offload, then sequential). On a GPU the budget is
 # device memory: the VAE decode's activations and the text encoders go first, then the
-# denoiser's weights, and half precision last (a float32 config rarely leads on a GPU). On a CPU everything lives in host memory: the text encoders' and denoiser's
-# weights, then glibc's threshold (which lowers the peak only once quantization frees the weights
-# as loaded: autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
+# denoiser's weights, and half precision last (a float32 config rarely leads on a GPU). On a CPU
+# everything lives in host memory: the text encoders' and denoiser's weights, then glibc's
+# threshold (which lowers the peak only once quantization frees the weights as loaded:
+# autotune/knobs/host.py), then lossy or slow savers the quality guard may refuse.
 # Int8 weights: dynamic where compiled (the SDXL guide's stack; inductor fuses the activations'
 # quantization: frozen on this project's CPU, int8 dynamic ran 0.78 s and weight-only 1.34 s),
 # weight-only otherwise (the cheaper uncompiled: 1.37 against 1.56 s).
 _COMPILED = {"compile": [c for c in CATALOGUE["compile"].choices if c != "none"]}
-_UNCOMPILED = {"compile": "none"}
+_INT8_WEIGHTS = (("quantize", "int8dq", _COMPILED), ("quantize", "int8wo", {"compile": "none"}))
 SAVERS_CUDA = (
     ("vae_tiling", True, None),
     ("quantize_text_encoders", "int8wo", None),
     ("offload", "model", None),
     ("layerwise_casting", "fp8-e4m3", None),
-    ("quantize", "int8dq", _COMPILED),
-    ("quantize", "int8wo", _UNCOMPILED),
+    *_INT8_WEIGHTS,
     ("offload", "group-leaf-stream", None),
     # streams beside a tiled VAE are forbidden (knobs.CONFLICTS): leaf-level without them there
     ("offload", "group-leaf", {"vae_tiling": True}),
@@ -53,8 +54,7 @@ SAVERS_CUDA = (
 )
 SAVERS_CPU = (
     ("quantize_text_encoders", "int8wo", None),
-    ("quantize", "int8dq", _COMPILED),
-    ("quantize", "int8wo", _UNCOMPILED),
+    *_INT8_WEIGHTS,
     ("malloc_mmap_threshold", "1MiB", None),
     ("dtype", "bfloat16", None),
     ("attention", "sliced", None),
@@ -63,9 +63,9 @@ SAVERS_CPU = (
 )
 
 # A config is repaired only while it runs this much faster than the fastest that fits (while none
-# fits, than the baseline): each saver
-# costs some speed, and one within a few percent of that config cannot beat it once it fits (in
-# the #8 run a chain went on at 1.501 s against 1.505 s, spending two trials for nothing).
+# fits, than the baseline): each saver costs some speed, and one within a few percent of that
+# config cannot beat it once it fits (in the #8 run a chain went on at 1.501 s against 1.505 s,
+# spending two trials for nothing).
 FASTER_BY = 0.05
 
 # At most this share of a study's trials (--trials) are repairs; the rest are the baseline's, the
@@ -114,8 +114,8 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
                 dominated_by: Callable[[Config], object | None] = lambda config: None) -> Repair | None:
     """The next config to measure as a repair, or None: from the fastest config over the budget
     that runs over FASTER_BY faster than the fastest that fits (while none fits, than the baseline;
-    the baseline itself is never a root), or a seed that ran out of memory. `records`: the study's measured trials
-    (study.TrialRecord); `pending`: the keys of configs queued or being measured (a chain waits for
+    the baseline itself is never a root), or a seed that ran out of memory. `records`: the study's
+    measured trials (study.TrialRecord); `pending`: the keys of configs queued or being measured (a chain waits for
     its last step); `dominated_by`: the measured trial that shows a config cannot fit, where the
     study skips it unmeasured (study.memory_dominated): never proposed (it would be proposed again
     after each skip), the chain goes on from that trial instead."""
@@ -140,8 +140,8 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
         return min((r.latency_s for r in records if r.feasible and before(r)), default=to_beat)
 
     def fast_but_over(r, fastest: float | None) -> bool:
-        return (r.status == worker.OK and r.violations.get("memory", 0) > 0
-                and r.violations.get("quality", 0) <= 0 and (fastest is None or r.latency_s < fastest * (1 - FASTER_BY)))
+        return (r.status == worker.OK and r.violations.get("memory", 0) > 0 and r.violations.get("quality", 0) <= 0
+                and (fastest is None or r.latency_s < fastest * (1 - FASTER_BY)))
 
     seen: set[str] = set()
 
