@@ -408,11 +408,11 @@ def measure_in_child(req: TuneRequest) -> Measure:
     return measure
 
 
-def trials_since_improvement(study: optuna.Study, by: float = 0.01) -> int:
-    """Measured trials since the best feasible latency last improved by more than `by`
-    (all of them when none is feasible yet)."""
+def trials_since_improvement(records: list[TrialRecord], by: float = 0.01) -> int:
+    """Measured trials (`records`, summarize's) since the best feasible latency last improved by
+    more than `by` (all of them when none is feasible yet)."""
     best, since = math.inf, 0
-    for record in summarize(study).records:
+    for record in records:
         since += 1
         if record.feasible and record.latency_s < best * (1 - by):
             best, since = record.latency_s, 0
@@ -745,15 +745,15 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     return kept
 
 
-def _queue_a_repair(req: TuneRequest, study: optuna.Study) -> bool:
+def _queue_a_repair(req: TuneRequest, study: optuna.Study, records: list[TrialRecord]) -> bool:
     """Queue the next memory repair (repair.py) when nothing else waits to be measured (seeds and
     an earlier study's configs go first) and repairs hold less than their share of the trials.
-    Whether a repair waits to be measured (queued now or before)."""
+    `records`: the study's measured trials (summarize's). Whether a repair waits to be measured
+    (queued now or before)."""
     trials = study.get_trials(deepcopy=False)
     waiting = [t for t in trials if t.state == TrialState.WAITING]
     if waiting or repair.count(trials) >= req.trials * repair.SHARE:
         return any("repair" in t.user_attrs for t in waiting)
-    records = summarize(study).records
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
     found = repair.next_repair(records, running, req.space, req.target.is_cuda,
                                dominated_by=lambda config: memory_dominated(config, records))
@@ -846,8 +846,9 @@ def tune(
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
             continue
 
-        repairing = _queue_a_repair(req, study)
-        stale = trials_since_improvement(study)
+        records = summarize(study).records
+        repairing = _queue_a_repair(req, study, records)
+        stale = trials_since_improvement(records)
         # A repair chain improves the best only at its last step, if at all, and its root ran
         # faster than all that fits: patience waits while one has a step to measure (repairs
         # take at most repair.SHARE of the trials).
