@@ -104,19 +104,15 @@ def _first_warm_call(config: dict, device: str) -> int | None:
     """Which call of a trial is its first warm one (measure.far_slower_at_once): the first where
     nothing is compiled, autotuned or JIT-built in it, the second where it is, none to rely on where
     the calls after the first record a CUDA graph (how many they take is torch's business)."""
+    from .knobs.attention import COLD_FIRST_CALL
     from .knobs.compile import CUDA_GRAPH_MODES
 
     mode = config.get("compile", "none")
     if device.startswith("cuda") and mode in CUDA_GRAPH_MODES:
         return None
-    # On a GPU, cuDNN's attention builds its plans, and the dispatcher's sage and flash-attn
-    # backends may build kernels, in their first call.
     cold_first = mode != "none" or config.get("cudnn_benchmark") or (
-        device.startswith("cuda") and config.get("attention") in COLD_FIRST_ATTENTION)
+        device.startswith("cuda") and config.get("attention") in COLD_FIRST_CALL)
     return 1 if cold_first else 0
-
-
-COLD_FIRST_ATTENTION = ("sdpa-cudnn", "sage", "flash-attn", "flash-attn-3")
 
 
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:

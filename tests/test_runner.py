@@ -199,6 +199,7 @@ def test_the_first_warm_call_is_the_second_where_the_first_compiles_and_none_whe
     assert worker._first_warm_call({"compile": "none", "attention": "sdpa-cudnn"}, "cuda") == 1
     assert worker._first_warm_call({"compile": "none", "attention": "sage"}, "cuda") == 1
     assert worker._first_warm_call({"compile": "none", "attention": "sdpa"}, "cuda") == 0
+    assert worker._first_warm_call({"compile": "none", "attention": "flash-attn"}, "cuda") == 0  # built in its wheel
 
 
 def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path):
