@@ -321,6 +321,8 @@ class Measurements:
         if earlier and busy_cores(earlier) is not None:  # a disturbed figure measured again: once, not per study
             if (earlier.get("cores_taken_by_others") or 0) < (stored.get("cores_taken_by_others") or 0):
                 stored = earlier  # more disturbed than before: the pool keeps the earlier
+            # The other's output copy stays on disk: a contestant's row may still name it for its
+            # quality, read after the studies.
             stored["measured_again"] = True
             if stored is earlier:
                 write_json(self.index, self.results)
