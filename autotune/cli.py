@@ -225,7 +225,7 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="the studies' working files: trial folders, the compile cache, and the "
                    f"default storage (default: {DEFAULT_WORKDIR})")
     o.add_argument("--study-name", help="share or resume a study by name (default: derived "
-                   "from model, workload, budget, device and space)")
+                   "from model, workload, budget, margin, threads, quality threshold, device and space)")
     o.add_argument("--output", "-o", type=a_path,
                    help="profile path, its folders made as needed (default: MODEL-BUDGET.yaml in the "
                    "current folder)")

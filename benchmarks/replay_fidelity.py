@@ -59,6 +59,8 @@ def main() -> None:
     bad = [c for c in args.cases or [] if "=" not in c]
     if bad:
         parser.error(f"--cases {bad[0]}: expected MODEL=BUDGET, such as tiny-sd15=545MB")
+    if args.out.is_dir():  # checked now, not after the minutes of tuning that precede the write
+        parser.error(f"--out {args.out}: a folder; name the markdown file, such as {args.out / 'replay_fidelity.md'}")
     cases = [tuple(c.split("=", 1)) for c in args.cases] if args.cases else CASES
     rows = []
     with tempfile.TemporaryDirectory(prefix="autotune-replay-") as tmp:
