@@ -643,12 +643,12 @@ def _write_profile(out, request, outcome, output: Path) -> int:
     from .errors import AutotuneError
     from .sizes import format_size
 
-    from .worker import OK, OUT_OF_MEMORY
+    from .worker import OK
 
     if outcome.best is None:
         ran = [r for r in outcome.records if r.status == OK]
         smallest = outcome.smallest_peak_bytes
-        if not ran and not any(r.status == OUT_OF_MEMORY for r in outcome.records):
+        if not ran and not any(r.out_of_budgeted_memory for r in outcome.records):
             # nothing ran, and not for lack of memory: not a budget too small (exit 3)
             if outcome.records:
                 first = outcome.records[0]

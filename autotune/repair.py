@@ -163,7 +163,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
             if child.feasible:
                 return False  # repaired
             # over the budget still (measured, or out of memory where its parent was fast): the next saver on it
-            if fast_but_over(child, fastest_before(child.number)) or child.status == worker.OUT_OF_MEMORY:
+            if fast_but_over(child, fastest_before(child.number)) or child.out_of_budgeted_memory:
                 return False if config_key(child.config) in seen else step(child, index + 1)
             # broke the guard, failed, or lost its lead on what fitted: the next saver, on this base
         return False
@@ -174,7 +174,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
     # chains delayed the optimum by 2-6 trials in median).
     fastest = fastest_before()
     roots = sorted((r for r in records if fast_but_over(r, fastest) and not r.baseline),
-                   key=lambda r: r.latency_s) + [r for r in records if r.seeded and r.status == worker.OUT_OF_MEMORY]
+                   key=lambda r: r.latency_s) + [r for r in records if r.seeded and r.out_of_budgeted_memory]
     for root in roots:
         if config_key(root.config) in seen:
             continue

@@ -182,7 +182,7 @@ def run_trial(
                 # no peak: on a GPU the peak is device memory, and host RSS would stand for it
                 return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
                               f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
-                              "out-of-memory killer")
+                              "out-of-memory killer", **worker.out_of_memory_on_host(request["device"]))
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
                 what = f"{stop_above_what}; " if stop_above_what else ""
                 return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "
@@ -192,6 +192,10 @@ def run_trial(
                 tick()
                 next_tick += tick_every_s
             if time.perf_counter() >= deadline:
+                if result_path.exists():  # measured, and slow to exit (teardown): the result stands
+                    _kill_group(child)
+                    returncode = None
+                    break
                 return killed(worker.TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); killed")
     except BaseException:
         _kill_group(child)

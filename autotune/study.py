@@ -46,6 +46,8 @@ from .workload import Workload
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
 PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
+SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
+QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -129,6 +131,13 @@ class TrialRecord:
         return self.status == worker.OK and self.violation <= 0
 
     @property
+    def out_of_budgeted_memory(self) -> bool:
+        """Stopped for lack of the memory the budget is on: the GPU's, or host memory on a CPU.
+        Host memory exhausted under a GPU budget (worker.out_of_memory_on) is this machine's
+        limit, not the budget's: it says nothing of what the config needs on the GPU."""
+        return self.status == worker.OUT_OF_MEMORY and self.result.get("out_of_memory_on") != "host"
+
+    @property
     def latencies_s(self) -> list[float]:
         """Every measured median of this config: the trial's, then its confirmations'."""
         first = self.result.get("latency_s")
@@ -210,9 +219,12 @@ def make_sampler(seed: int | None) -> optuna.samplers.BaseSampler:
         # in a space of a few dozen configs more candidates put the proposal nearer the best
         # l(x)/g(x); on the tiny-sdxl CPU table (benchmarks/search_efficiency.py, 80 seeds) median
         # trials to the optimum 12 against 16 under a median budget, 14 against 14 without one.
+        # constant_liar: trials other workers are measuring count as bad ones for now, so that a
+        # shared study's workers are not all proposed the same config (Optuna 5's default, not 4's).
         return optuna.samplers.TPESampler(
             multivariate=True,
             group=True,
+            constant_liar=True,
             n_startup_trials=5,
             n_ei_candidates=100,
             seed=seed,
@@ -226,6 +238,26 @@ def _heartbeat(storage, trial) -> None:
         storage.record_heartbeat(trial._trial_id)
     elif isinstance(storage, optuna.storages.JournalStorage):
         storage.set_trial_user_attr(trial._trial_id, "heartbeat_at", time.time())
+
+
+def _ask(study: optuna.Study) -> optuna.Trial:
+    """`study.ask()`, except that a waiting baseline, then a config queued again after its trial
+    was interrupted or its worker died, go before the other waiting configs. Optuna hands out
+    waiting trials lowest number first, and these are queued again behind the seeds: a resumed
+    study would measure the seeds before the baseline that later trials are judged against, and
+    with a model that does not load, fail every seed before the baseline stops the run. Claimed
+    as `ask` claims a waiting trial: set running, which fails where another worker took it."""
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    first = sorted((t for t in waiting if t.user_attrs.get("baseline") or t.user_attrs.get(QUEUED_AGAIN)
+                    or "failed_trial" in t.system_attrs),  # Optuna's retry of a stale trial
+                   key=lambda t: (not t.user_attrs.get("baseline"), t.number))
+    for frozen in first:
+        try:
+            if study._storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, frozen._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker measured it
+    return study.ask()
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
@@ -421,7 +453,7 @@ def trials_since_improvement(records: list[TrialRecord], by: float = 0.01) -> in
 
 def ran_out_of_memory(record: TrialRecord) -> bool:
     """Whether a trial needed more memory than the budget allows (measured, or an OOM error)."""
-    return record.status == worker.OUT_OF_MEMORY or (
+    return record.out_of_budgeted_memory or (
         record.status == worker.OK and record.violations.get("memory", 0) > 0
     )
 
@@ -453,7 +485,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     threshold set; `time_bfloat16`: the bfloat16 call made whatever the threshold."""
     request = _one_call(req, baseline(), req.reference_path)
     result = measure(request, req.workdir / "reference", lambda: None)
-    if result["status"] == worker.OUT_OF_MEMORY and req.target.device.startswith("cuda"):
+    if result["status"] == worker.OUT_OF_MEMORY and "out_of_memory_on" not in result and req.target.is_cuda:
         # float32 does not fit the card: the same precision, streamed from host memory.
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
@@ -634,9 +666,14 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         study.enqueue_trial(space.params(config), user_attrs={"warm_start": True}, skip_if_exists=True)
 
     guard = study.user_attrs.get("quality_guard")
+    # The seeds are queued once per study, by the run that finds them not queued yet: the one that
+    # created it, or the next one where that run was killed (SIGKILL, a reboot) before it queued
+    # them. (A study of an autotune before the mark: its seed trials say so.)
+    seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
+        t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
     # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
     # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
-    seeds_in_bfloat16 = created and "float32" in space.choices_of("dtype") and any(
+    seeds_in_bfloat16 = seeds_pending and "float32" in space.choices_of("dtype") and any(
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
     timings = None  # the float32 and bfloat16 calls' times, for machine_seeds
     try:
@@ -658,16 +695,17 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
                 pass  # the seeds keep their precision; the baseline trial shows what fails here
     finally:
         # Seeds go in after the calibration, whose two calls say which precision is fast here; in
-        # `finally`, because a study created here and interrupted in its calibration would never get
-        # them: the next run finds the study existing.
-        if created:
+        # `finally`, so that a Ctrl-C in the calibration queues them too.
+        if seeds_pending:
             seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
             keys = {config_key(c) for c in warm}
             for config in seeds:
                 if config_key(config) not in keys:
-                    study.enqueue_trial(space.params(config), user_attrs={"seed": True})
+                    # skip_if_exists: two workers that both found them pending queue each once
+                    study.enqueue_trial(space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
             if note:
                 study.set_user_attr("seed_note", note)
+            study.set_user_attr(SEEDS_QUEUED, True)
     return study
 
 
@@ -860,7 +898,7 @@ def tune(
             # Optuna warns that heartbeats are meant for Study.optimize; in ask-and-tell this
             # loop records them itself (runner's tick), which is what the warning asks for.
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-            trial = study.ask()
+            trial = _ask(study)
         _heartbeat(storage, trial)  # at once: a parent killed before its first tick leaves a stale trial
         trial.set_user_attr(PROCESS, storages.this_process(trial.number))
         config = space.suggest(trial)
@@ -884,7 +922,10 @@ def tune(
         if twin is not None:
             trial.set_user_attr("duplicate_of_running", twin)
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
-            duplicates_in_a_row += 1
+            # Not a config measured already (the space is not spent): another worker is measuring
+            # it, and the sampler, which counts it as a bad one only while it runs, may propose it
+            # again; a pause, not a spin to MAX_DUPLICATES_IN_A_ROW within seconds.
+            time.sleep(1.0)
             continue
         # Read the measured configs again, after the running ones: a twin that finished since
         # the top of the loop is running no more, and only this second read sees it done.
@@ -926,7 +967,7 @@ def tune(
             if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
                 study.tell(trial, state=TrialState.FAIL)
                 study.enqueue_trial(trial.params, user_attrs={
-                    "baseline": bool(trial.user_attrs.get("baseline")),
+                    "baseline": bool(trial.user_attrs.get("baseline")), QUEUED_AGAIN: True,
                     **{k: trial.user_attrs[k] for k in ("seed", "warm_start", "repair") if k in trial.user_attrs}})
             raise
         except optuna.exceptions.UpdateFinishedTrialError:

@@ -65,13 +65,28 @@ def trial_request(
     }
 
 
+def _host_memory_ran_out(exc: BaseException) -> bool:
+    # Python's MemoryError; torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory"),
+    # ENOMEM from the system ("Cannot allocate memory")
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "can't allocate memory" in text or "cannot allocate memory" in text
+
+
+def out_of_memory_on_host(device: str) -> dict:
+    """What an out_of_memory result adds when host memory ran out on a GPU target, where the
+    budget is the GPU's: study.TrialRecord.out_of_budgeted_memory leaves it out of the budget's
+    verdicts (a config that ran out so may need less GPU memory than the budget). On a CPU host
+    memory is the budget's, and nothing is added."""
+    return {"out_of_memory_on": "host"} if device.startswith("cuda") else {}
+
+
 def classify(exc: BaseException) -> str:
     import torch
 
     text = f"{type(exc).__name__}: {exc}".lower()
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text:
         return OUT_OF_MEMORY
-    if "can't allocate memory" in text or "cannot allocate memory" in text:
+    if _host_memory_ran_out(exc):
         return OUT_OF_MEMORY
     if "alloc_failed" in text:  # cuBLAS/cuDNN handles and workspaces (CUBLAS_STATUS_ALLOC_FAILED)
         return OUT_OF_MEMORY
@@ -220,6 +235,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         result["per_step_s"] = result["latency_s"] / workload.steps
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)
+        if result["status"] == OUT_OF_MEMORY and _host_memory_ran_out(exc):
+            result.update(out_of_memory_on_host(device))
         # autotune's own errors are written for the user already; a library's needs its type
         said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
         result["error"] = f"{phase}: {said}".splitlines()[0][:500]

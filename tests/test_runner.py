@@ -382,3 +382,13 @@ def test_a_trial_timeout_under_one_tick_is_held(tmp_path, monkeypatch):
     assert result["status"] == worker.TIMEOUT
     assert result["wall_s"] < 30, result
     assert "no result after 0.3 s" in result["error"]
+
+
+def test_host_memory_exhausted_under_a_gpu_budget_is_marked_as_the_hosts(tmp_path, monkeypatch):
+    # The request names a GPU; a fresh interpreter takes seconds to import torch, so the guard's
+    # first look (0.1 s) stops it before it could find no CUDA here.
+    monkeypatch.setattr(runner, "HOST_RESERVE_BYTES", psutil.virtual_memory().total)
+    on_gpu = {**request(), "device": "cuda:0"}
+    result = runner.run_trial(on_gpu, tmp_path / "t", timeout_s=300, launcher="spawn")
+    assert result["status"] == worker.OUT_OF_MEMORY and result["out_of_memory_on"] == "host"
+    assert "out_of_memory_on" not in runner.run_trial(request(), tmp_path / "c", timeout_s=300, launcher="spawn")

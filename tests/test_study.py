@@ -979,3 +979,106 @@ def test_a_reference_output_cut_short_is_made_again_on_resume(tmp_path):
     assert len(measured) == 5 and measured[3] == baseline()  # the reference made again, then a trial
     assert quality.readable(reference) and len(outcome.records) == 3
     assert all(r.result.get("quality") for r in outcome.records[2:])  # the new trial compared with it
+
+
+def test_a_resumed_study_measures_its_baseline_before_the_seeds_queued_ahead_of_it(tmp_path):
+    """The baseline of a model that does not load is queued again, behind the seeds (Optuna hands
+    out waiting trials lowest number first). Run again before the model was mended, the study
+    failed every seed at load, recorded them as measured, and never measured them once it was:
+    the baseline now goes first, stops the run again, and the seeds wait for a model that loads."""
+    from autotune.errors import AutotuneError
+
+    seeds = [{"fuse_qkv": True}, {"channels_last": True}]
+    req = request(SearchSpace(SPACE, seeds=seeds), tmp_path, trials=3, storage=f"sqlite:///{tmp_path / 's.db'}")
+    tried = []
+
+    def does_not_load(request_: dict, trial_dir: Path, tick) -> dict:
+        tried.append(request_["config"])
+        return {"status": "error", "phase": "load", "error": "load: OSError: no file named model_index.json"}
+
+    for _ in range(2):
+        with pytest.raises(AutotuneError, match="the model did not load"):
+            study.tune(req, measure=does_not_load)
+    assert tried == [baseline(), baseline()]
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(req, measure=measure)  # mended
+    assert measured == [baseline(), *({**baseline(), **seed} for seed in seeds)]
+
+
+def test_a_trial_stopped_by_ctrl_c_is_measured_first_when_the_run_resumes(tmp_path):
+    seeds = [{"fuse_qkv": True}, {"channels_last": True}]
+    req = request(SearchSpace(SPACE, seeds=seeds), tmp_path, trials=3, storage=f"sqlite:///{tmp_path / 's.db'}")
+    measure, measured = fake_measure(lambda c: 1.0)
+
+    def interrupted_at_the_first_seed(request_: dict, trial_dir: Path, tick) -> dict:
+        if request_["config"] != baseline():
+            raise KeyboardInterrupt
+        return measure(request_, trial_dir, tick)
+
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(req, measure=interrupted_at_the_first_seed)
+    study.tune(req, measure=measure)
+    assert measured == [baseline(), *({**baseline(), **seed} for seed in seeds)]
+
+
+def test_a_study_whose_creator_was_killed_before_it_queued_the_seeds_gets_them_when_resumed(tmp_path):
+    """The seeds are queued after the reference calls (minutes on a full-size model on a CPU),
+    which say which precision they take. A run killed there by SIGKILL (the OOM killer, a
+    scheduler), where no `finally` runs, left a study that never got them: the next run, which
+    did not create the study, did not queue them. (A real process, killed for real.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    script = f"""
+import time
+from pathlib import Path
+from autotune import study
+from autotune.knobs import Target
+from autotune.models import resolve_model
+from autotune.space import Dimension, SearchSpace
+
+tmp = Path({str(tmp_path)!r})
+spec = resolve_model("tiny-sd15")
+space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16")), Dimension("fuse_qkv", (False, True)),
+                     Dimension("channels_last", (False, True))], seeds={BF16_SEEDS!r})
+req = study.TuneRequest(spec=spec, workload=spec.default_workload, space=space,
+                        target=Target(device="cpu", family=spec.family), study_name="s", workdir=tmp,
+                        storage={url!r}, budget_bytes={1000 * MiB}, min_psnr_db="auto", seed=0, trials=3)
+
+def calibrating(request, trial_dir, tick):
+    (tmp / "calibrating").touch()
+    time.sleep(300)
+
+study.prepare(req, measure=calibrating)
+"""
+    creator = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "calibrating").exists():
+            assert creator.poll() is None and time.monotonic() < deadline, "the creator never reached its calibration"
+            time.sleep(0.1)
+        os.kill(creator.pid, signal.SIGKILL)
+    finally:
+        creator.kill()
+        creator.wait()
+    measure, measured = measure_with_outputs(lambda c: 0.5 if c["dtype"] == "bfloat16" else 1.0)
+    study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, storage=url, min_psnr_db="auto"),
+               measure=measure)
+    assert [c["dtype"] for c in measured[:2]] == ["float32", "bfloat16"]  # this run's calibration
+    assert measured[2:] == [baseline(), *({**baseline(), **seed} for seed in BF16_SEEDS)]
+
+
+def test_host_memory_that_ran_out_under_a_gpu_budget_says_nothing_of_the_budget():
+    """Host memory exhausted on a GPU target (the runner's reserve, torch's CPU allocator) is this
+    machine's limit: a config that ran out so may fit the GPU budget, and one needing no less GPU
+    memory is not ruled out by it."""
+    ran_out = study.TrialRecord(0, {**baseline(), "dtype": "bfloat16"}, "out_of_memory", {}, study.BROKEN,
+                                violations={"memory": study.BROKEN})
+    on_host = study.TrialRecord(0, ran_out.config, "out_of_memory", {"out_of_memory_on": "host"}, study.BROKEN,
+                                violations={"memory": study.BROKEN})
+    assert study.memory_dominated(baseline(), [ran_out]) is ran_out  # float32 needs more
+    assert study.memory_dominated(baseline(), [on_host]) is None
+    assert ran_out.out_of_budgeted_memory and not on_host.out_of_budgeted_memory
