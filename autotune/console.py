@@ -164,6 +164,8 @@ class TrialProgress:
                          else f" (measured twice: its second trial took {other['latency_s']:.3f} s)")
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
+            if r.get("out_of_memory_on") == "host":
+                what += " (host memory, not the GPU budget's)"
             if r.get("measured_twice"):
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
         if record.repair:  # repair.py

@@ -129,8 +129,11 @@ class StudyData:
         if not self.measured:
             statuses = Counter(p.status for p in self.points)
             said = counts_text(statuses)
-            if set(statuses) == {"out_of_memory"}:
+            if all(p.status == "out_of_memory" and p.result.get("out_of_memory_on") != "host" for p in self.points):
                 return f"nothing fits the budget: every configuration ran out of memory ({said})"
+            on_host = sum(p.result.get("out_of_memory_on") == "host" for p in self.points)
+            if on_host:
+                said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
             return f"no configuration ran ({said})"
         return "nothing fits the budget"
 

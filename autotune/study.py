@@ -247,6 +247,7 @@ def _ask(study: optuna.Study) -> optuna.Trial:
     study would measure the seeds before the baseline that later trials are judged against, and
     with a model that does not load, fail every seed before the baseline stops the run. Claimed
     as `ask` claims a waiting trial: set running, which fails where another worker took it."""
+    study._thread_local.cached_all_trials = None  # as ask does: the sampler reads the trials afresh
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     first = sorted((t for t in waiting if t.user_attrs.get("baseline") or t.user_attrs.get(QUEUED_AGAIN)
                     or "failed_trial" in t.system_attrs),  # Optuna's retry of a stale trial
@@ -317,11 +318,14 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
     # A confirmation that went over the budget, ran out of memory or broke makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
+    # (Host memory running out under a GPU budget is a failure, not the budget's verdict:
+    # TrialRecord.out_of_budgeted_memory.)
     worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
-    over_again = [c["violation"] for c in confirmations if c["status"] in (worker.OK, worker.OUT_OF_MEMORY)]
-    violations["memory"] = max([violations.get("memory", 0.0), *over_again])
-    if any(c["status"] not in (worker.OK, worker.OUT_OF_MEMORY) for c in confirmations):
-        violations["failed_again"] = BROKEN  # a crash or timeout, not memory
+    over_budget = [c for c in confirmations if c["status"] == worker.OK or
+                   c["status"] == worker.OUT_OF_MEMORY and c.get("out_of_memory_on") != "host"]
+    violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in over_budget)])
+    if len(over_budget) < len(confirmations):
+        violations["failed_again"] = BROKEN  # a crash or timeout, not the budget's memory
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
@@ -696,7 +700,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     finally:
         # Seeds go in after the calibration, whose two calls say which precision is fast here; in
         # `finally`, so that a Ctrl-C in the calibration queues them too.
-        if seeds_pending:
+        # Read again: a worker that joined while another calibrated found them pending too.
+        if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
             seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
             keys = {config_key(c) for c in warm}
             for config in seeds:
@@ -1145,6 +1150,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "p90_s": result.get("p90_s") if result["status"] == worker.OK else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "status": result["status"],
+            **({"out_of_memory_on": result["out_of_memory_on"]} if "out_of_memory_on" in result else {}),
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
             "cores_taken_by_others": result.get("cores_taken_by_others"),
         }

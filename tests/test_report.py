@@ -866,3 +866,16 @@ def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(s
     assert [(s.name, s.source) for s in loaded] == [("roomy", "study")]
     assert ("roomy: given again (profile moved.yaml, whose recorded storage is not here), compared once"
             in loaded[0].notes)
+
+
+def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_said_not_to_fit():
+    from autotune.report import Point, StudyData
+
+    for result, says in (({}, "nothing fits the budget: every configuration ran out of memory"),
+                         ({"out_of_memory_on": "host"}, "host memory ran out in 2, which the GPU budget does not judge")):
+        points = [Point(trial=n, config={}, latency_s=None, peak_memory_bytes=None, status="out_of_memory",
+                        feasible=False, result=result) for n in range(2)]
+        data = StudyData(label="s", name="s", storage=None, model={}, workload={}, device="cuda",
+                         budget_bytes=2**30, points=points)
+        assert says in data.why_no_best()
+        assert ("nothing fits" in data.why_no_best()) == (not result)

@@ -1082,3 +1082,22 @@ def test_host_memory_that_ran_out_under_a_gpu_budget_says_nothing_of_the_budget(
     assert study.memory_dominated(baseline(), [ran_out]) is ran_out  # float32 needs more
     assert study.memory_dominated(baseline(), [on_host]) is None
     assert ran_out.out_of_budgeted_memory and not on_host.out_of_budgeted_memory
+
+
+def test_a_confirmation_that_ran_out_of_host_memory_under_a_gpu_budget_fails_the_config_without_judging_the_budget():
+    import optuna
+
+    fits = {"memory": -0.1, "quality": 0.0}
+    frozen = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.COMPLETE, value=1.0,
+        user_attrs={"config": {**baseline(), "dtype": "bfloat16"}, "violation": -0.1, "violations": fits,
+                    "result": {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 900 * MiB}})
+    again = {"latency_s": None, "p90_s": None, "peak_memory_bytes": None, "status": "out_of_memory",
+             "violation": study.BROKEN}
+    on_host = study.record_of(frozen, [{**again, "out_of_memory_on": "host"}])
+    on_gpu = study.record_of(frozen, [again])
+    assert not on_host.feasible and not on_gpu.feasible  # the budget is a promise for every run
+    assert on_gpu.violations["memory"] > 0 and study.ran_out_of_memory(on_gpu)
+    assert on_host.violations["memory"] < 0 and on_host.violations["failed_again"] > 0
+    assert not study.ran_out_of_memory(on_host)  # so float32 is not ruled out by it
+    assert study.memory_dominated(baseline(), [on_host]) is None
