@@ -392,3 +392,17 @@ def test_host_memory_exhausted_under_a_gpu_budget_is_marked_as_the_hosts(tmp_pat
     result = runner.run_trial(on_gpu, tmp_path / "t", timeout_s=300, launcher="spawn")
     assert result["status"] == worker.OUT_OF_MEMORY and result["out_of_memory_on"] == "host"
     assert "out_of_memory_on" not in runner.run_trial(request(), tmp_path / "c", timeout_s=300, launcher="spawn")
+
+
+def test_a_trial_that_wrote_its_result_but_is_slow_to_exit_keeps_its_result(tmp_path, monkeypatch):
+    """Past --trial-timeout with its result written (a slow teardown: CUDA, inductor's worker
+    pool), a trial was recorded as a timeout and its measurement thrown away. A real child whose
+    interpreter sleeps at exit (a sitecustomize on its PYTHONPATH): the result stands, and the
+    child is killed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, time\natexit.register(time.sleep, 600)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=60, launcher="spawn")
+    assert result["status"] == worker.OK and result["latency_s"] > 0
+    assert 60 <= result["wall_s"] < 90 and not trial_processes()
