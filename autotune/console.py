@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .sizes import format_size
+from .worker import ran_out_of_host_memory
 
 # knobs (and torch with them) are imported where used: reports and notebooks import this module
 # for `count` alone.
@@ -164,7 +165,7 @@ class TrialProgress:
                          else f" (measured twice: its second trial took {other['latency_s']:.3f} s)")
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
-            if r.get("out_of_memory_on") == "host":
+            if ran_out_of_host_memory(r):
                 what += " (host memory, not the GPU budget's)"
             if r.get("measured_twice"):
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"

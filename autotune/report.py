@@ -31,6 +31,7 @@ from .console import count, counts_text
 from .errors import AutotuneError, os_reason
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
                        display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
+from .worker import ran_out_of_budgeted_memory, ran_out_of_host_memory
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -129,9 +130,9 @@ class StudyData:
         if not self.measured:
             statuses = Counter(p.status for p in self.points)
             said = counts_text(statuses)
-            if all(p.status == "out_of_memory" and p.result.get("out_of_memory_on") != "host" for p in self.points):
+            if all(ran_out_of_budgeted_memory({**p.result, "status": p.status}) for p in self.points):
                 return f"nothing fits the budget: every configuration ran out of memory ({said})"
-            on_host = sum(p.result.get("out_of_memory_on") == "host" for p in self.points)
+            on_host = sum(ran_out_of_host_memory(p.result) for p in self.points)
             if on_host:
                 said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
             return f"no configuration ran ({said})"

@@ -38,6 +38,7 @@ LAUNCHERS = ("fork", "spawn")
 # GUARD_EVERY_S, finer than the tick: host memory can fill within a second.
 HOST_RESERVE_BYTES = min(2**30, psutil.virtual_memory().total // 20)
 GUARD_EVERY_S = 0.1
+EXIT_GRACE_S = 30.0  # a child that wrote its result is given this long to exit, then killed
 
 
 @contextlib.contextmanager
@@ -166,6 +167,7 @@ def run_trial(
         return {"status": status, "error": error, "wall_s": time.perf_counter() - started,
                 "launcher": launcher, "log": str(log_path), **extra}
 
+    written_at = None  # when result.json was first seen, the child still running
     try:
         deadline = started + timeout_s
         next_tick = started + tick_every_s
@@ -174,6 +176,13 @@ def run_trial(
             returncode = child.wait(max(0.0, min(GUARD_EVERY_S, deadline - time.perf_counter())))
             if returncode is not None:
                 break
+            # Measured, and slow to exit (a CUDA or inductor teardown): the result stands, and the
+            # child is not waited for past EXIT_GRACE_S (the result is written whole, os.replace).
+            if result_path.exists():
+                written_at = written_at or time.perf_counter()
+                if time.perf_counter() - written_at >= EXIT_GRACE_S or time.perf_counter() >= deadline:
+                    _kill_group(child)
+                    break
             # The trial's own RSS (one /proc read; its children would mean scanning every process),
             # read only when it can matter.
             available = psutil.virtual_memory().available
@@ -182,7 +191,7 @@ def run_trial(
                 # no peak: on a GPU the peak is device memory, and host RSS would stand for it
                 return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
                               f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
-                              "out-of-memory killer", **worker.out_of_memory_on_host(request["device"]))
+                              "out-of-memory killer", **worker.host_memory_mark(request["device"]))
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
                 what = f"{stop_above_what}; " if stop_above_what else ""
                 return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "
@@ -192,10 +201,6 @@ def run_trial(
                 tick()
                 next_tick += tick_every_s
             if time.perf_counter() >= deadline:
-                if result_path.exists():  # measured, and slow to exit (teardown): the result stands
-                    _kill_group(child)
-                    returncode = None
-                    break
                 return killed(worker.TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); killed")
     except BaseException:
         _kill_group(child)

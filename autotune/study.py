@@ -49,6 +49,7 @@ PROCESS = "process"  # user attr: storages.this_process(number) of the worker ho
 SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
 QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
+MAX_TWINS_IN_A_ROW = 5  # then wait for the other worker's trial of that config to end
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
 # than any measured overshoot of the budget up to 100%, so the sampler ranks it last.
@@ -132,10 +133,8 @@ class TrialRecord:
 
     @property
     def out_of_budgeted_memory(self) -> bool:
-        """Stopped for lack of the memory the budget is on: the GPU's, or host memory on a CPU.
-        Host memory exhausted under a GPU budget (worker.out_of_memory_on) is this machine's
-        limit, not the budget's: it says nothing of what the config needs on the GPU."""
-        return self.status == worker.OUT_OF_MEMORY and self.result.get("out_of_memory_on") != "host"
+        """Stopped for lack of the memory the budget is on (worker.ran_out_of_budgeted_memory)."""
+        return worker.ran_out_of_budgeted_memory({**self.result, "status": self.status})
 
     @property
     def latencies_s(self) -> list[float]:
@@ -187,7 +186,7 @@ class StudyOutcome:
         one stopped), of those the quality guard did not rule out: a trial that failed otherwise,
         at load say, says nothing of the memory, and one below the guard cannot be picked."""
         peaks = [r.peak_memory_bytes for r in self.records
-                 if r.peak_memory_bytes and r.status in (worker.OK, worker.OUT_OF_MEMORY)
+                 if r.peak_memory_bytes and (r.status == worker.OK or r.out_of_budgeted_memory)
                  and r.violations.get("quality", 0) <= 0]
         return min(peaks) if peaks else None
 
@@ -294,7 +293,7 @@ def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
 
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
     """The study, and whether this call created it. Of several workers starting at once exactly
-    one creates it (the storage refuses a second study of the same name): that one seeds it."""
+    one creates it (the storage refuses a second study of the same name), and queues its baseline."""
     backend = storages.open_storage(storage)
     try:
         try:
@@ -318,14 +317,12 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
     # A confirmation that went over the budget, ran out of memory or broke makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
-    # (Host memory running out under a GPU budget is a failure, not the budget's verdict:
-    # TrialRecord.out_of_budgeted_memory.)
+    # (Host memory running out under a GPU budget is a failure, not the budget's verdict.)
     worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
-    over_budget = [c for c in confirmations if c["status"] == worker.OK or
-                   c["status"] == worker.OUT_OF_MEMORY and c.get("out_of_memory_on") != "host"]
-    violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in over_budget)])
-    if len(over_budget) < len(confirmations):
-        violations["failed_again"] = BROKEN  # a crash or timeout, not the budget's memory
+    judged_by_budget = [c for c in confirmations if c["status"] == worker.OK or worker.ran_out_of_budgeted_memory(c)]
+    violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in judged_by_budget)])
+    if len(judged_by_budget) < len(confirmations):
+        violations["failed_again"] = BROKEN  # a crash, a timeout, host memory under a GPU budget
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
@@ -489,7 +486,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     threshold set; `time_bfloat16`: the bfloat16 call made whatever the threshold."""
     request = _one_call(req, baseline(), req.reference_path)
     result = measure(request, req.workdir / "reference", lambda: None)
-    if result["status"] == worker.OUT_OF_MEMORY and "out_of_memory_on" not in result and req.target.is_cuda:
+    if worker.ran_out_of_budgeted_memory(result) and req.target.is_cuda:
         # float32 does not fit the card: the same precision, streamed from host memory.
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
@@ -671,8 +668,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
     guard = study.user_attrs.get("quality_guard")
     # The seeds are queued once per study, by the run that finds them not queued yet: the one that
-    # created it, or the next one where that run was killed (SIGKILL, a reboot) before it queued
-    # them. (A study of an autotune before the mark: its seed trials say so.)
+    # created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL) before it
+    # queued them. (A study of an autotune before the mark: its seed trials say so.)
     seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
         t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
     # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
@@ -680,37 +677,35 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     seeds_in_bfloat16 = seeds_pending and "float32" in space.choices_of("dtype") and any(
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
     timings = None  # the float32 and bfloat16 calls' times, for machine_seeds
-    try:
-        if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
-            # Each machine keeps its own reference output (the study may be shared), made again
-            # when missing or cut short; the threshold is the study's, set by the first worker
-            # to calibrate it.
-            on_step("reference calls: the float32 output the quality guard compares with"
-                    + (", and one bfloat16 call" if guard is None and req.min_psnr_db == "auto" or seeds_in_bfloat16 else ""))
-            timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
-            if guard is None:
-                study.set_user_attr("quality_guard", timings)
-        elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
-            on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
-            try:
-                timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
-                study.set_user_attr("precision_probe", timings)
-            except AutotuneError:
-                pass  # the seeds keep their precision; the baseline trial shows what fails here
-    finally:
-        # Seeds go in after the calibration, whose two calls say which precision is fast here; in
-        # `finally`, so that a Ctrl-C in the calibration queues them too.
-        # Read again: a worker that joined while another calibrated found them pending too.
-        if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
-            seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
-            keys = {config_key(c) for c in warm}
-            for config in seeds:
-                if config_key(config) not in keys:
-                    # skip_if_exists: two workers that both found them pending queue each once
-                    study.enqueue_trial(space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
-            if note:
-                study.set_user_attr("seed_note", note)
-            study.set_user_attr(SEEDS_QUEUED, True)
+    if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
+        # Each machine keeps its own reference output (the study may be shared), made again
+        # when missing or cut short; the threshold is the study's, set by the first worker
+        # to calibrate it.
+        on_step("reference calls: the float32 output the quality guard compares with"
+                + (", and one bfloat16 call" if guard is None and req.min_psnr_db == "auto" or seeds_in_bfloat16 else ""))
+        timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
+        if guard is None:
+            study.set_user_attr("quality_guard", timings)
+    elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
+        on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
+        try:
+            timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
+            study.set_user_attr("precision_probe", timings)
+        except AutotuneError:
+            pass  # the seeds keep their precision; the baseline trial shows what fails here
+    # Seeds go in after the calibration, whose two calls say which precision is fast here. A run
+    # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
+    # queues them. Read again: a worker that joined while another calibrated found them pending too.
+    if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
+        seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
+        keys = {config_key(c) for c in warm}
+        for config in seeds:
+            if config_key(config) not in keys:
+                # skip_if_exists: two workers that both found them pending queue each once
+                study.enqueue_trial(space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
+        if note:
+            study.set_user_attr("seed_note", note)
+        study.set_user_attr(SEEDS_QUEUED, True)
     return study
 
 
@@ -847,6 +842,7 @@ def tune(
     n_configs = len(space.configs())
     deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None  # --timeout
     duplicates_in_a_row = 0
+    twins_in_a_row = 0  # proposals of a config another worker is measuring
     measured_here = 0
     measure_disturbed_again = True  # until a second trial finds the machine still busy
 
@@ -928,10 +924,17 @@ def tune(
             trial.set_user_attr("duplicate_of_running", twin)
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
             # Not a config measured already (the space is not spent): another worker is measuring
-            # it, and the sampler, which counts it as a bad one only while it runs, may propose it
-            # again; a pause, not a spin to MAX_DUPLICATES_IN_A_ROW within seconds.
+            # it, and the sampler, which counts it as a bad one while it runs, may propose it
+            # again. A pause, not a spin to MAX_DUPLICATES_IN_A_ROW within seconds; proposed
+            # again and again, this worker waits for that trial to end (each proposal is a
+            # trial in the storage).
+            twins_in_a_row += 1
             time.sleep(1.0)
+            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and twin in _in_flight(study).values() and not _past(deadline):
+                time.sleep(1.0)
+                _fail_stale_trials(study)  # its worker may be gone
             continue
+        twins_in_a_row = 0
         # Read the measured configs again, after the running ones: a twin that finished since
         # the top of the loop is running no more, and only this second read sees it done.
         done = measured()
@@ -1150,7 +1153,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "p90_s": result.get("p90_s") if result["status"] == worker.OK else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "status": result["status"],
-            **({"out_of_memory_on": result["out_of_memory_on"]} if "out_of_memory_on" in result else {}),
+            **({worker.OUT_OF_MEMORY_ON: result[worker.OUT_OF_MEMORY_ON]} if worker.OUT_OF_MEMORY_ON in result else {}),
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
             "cores_taken_by_others": result.get("cores_taken_by_others"),
         }

@@ -72,12 +72,25 @@ def _host_memory_ran_out(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "can't allocate memory" in text or "cannot allocate memory" in text
 
 
-def out_of_memory_on_host(device: str) -> dict:
+OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see host_memory_mark
+
+
+def host_memory_mark(device: str) -> dict:
     """What an out_of_memory result adds when host memory ran out on a GPU target, where the
-    budget is the GPU's: study.TrialRecord.out_of_budgeted_memory leaves it out of the budget's
-    verdicts (a config that ran out so may need less GPU memory than the budget). On a CPU host
-    memory is the budget's, and nothing is added."""
-    return {"out_of_memory_on": "host"} if device.startswith("cuda") else {}
+    budget is the GPU's (runner's host reserve, MemoryError, torch's CPU allocator). On a CPU
+    host memory is the budget's, and nothing is added."""
+    return {OUT_OF_MEMORY_ON: "host"} if device.startswith("cuda") else {}
+
+
+def ran_out_of_host_memory(result: dict) -> bool:
+    """Host memory ran out under a GPU budget (host_memory_mark): this machine's limit, which
+    says nothing of what the config needs on the GPU."""
+    return result.get(OUT_OF_MEMORY_ON) == "host"
+
+
+def ran_out_of_budgeted_memory(result: dict) -> bool:
+    """Stopped for lack of the memory the budget is on: the GPU's, or host memory on a CPU."""
+    return result.get("status") == OUT_OF_MEMORY and not ran_out_of_host_memory(result)
 
 
 def classify(exc: BaseException) -> str:
@@ -236,7 +249,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     except Exception as exc:  # every failure is a result, classified
         result["status"] = classify(exc)
         if result["status"] == OUT_OF_MEMORY and _host_memory_ran_out(exc):
-            result.update(out_of_memory_on_host(device))
+            result.update(host_memory_mark(device))
         # autotune's own errors are written for the user already; a library's needs its type
         said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
         result["error"] = f"{phase}: {said}".splitlines()[0][:500]

@@ -1042,8 +1042,7 @@ from autotune.space import Dimension, SearchSpace
 
 tmp = Path({str(tmp_path)!r})
 spec = resolve_model("tiny-sd15")
-space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16")), Dimension("fuse_qkv", (False, True)),
-                     Dimension("channels_last", (False, True))], seeds={BF16_SEEDS!r})
+space = SearchSpace({SPACE!r}, seeds={BF16_SEEDS!r})
 req = study.TuneRequest(spec=spec, workload=spec.default_workload, space=space,
                         target=Target(device="cpu", family=spec.family), study_name="s", workdir=tmp,
                         storage={url!r}, budget_bytes={1000 * MiB}, min_psnr_db="auto", seed=0, trials=3)
