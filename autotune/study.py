@@ -293,7 +293,8 @@ def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
 
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
     """The study, and whether this call created it. Of several workers starting at once exactly
-    one creates it (the storage refuses a second study of the same name), and queues its baseline."""
+    one creates it (the storage refuses a second study of the same name): prepare then queues
+    its baseline there."""
     backend = storages.open_storage(storage)
     try:
         try:
@@ -783,12 +784,12 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     return kept
 
 
-def _queue_a_repair(req: TuneRequest, study: optuna.Study, records: list[TrialRecord]) -> bool:
+def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome) -> bool:
     """Queue the next memory repair (repair.py) when nothing else waits to be measured (seeds and
     an earlier study's configs go first) and repairs hold less than their share of the trials.
-    `records`: the study's measured trials (summarize's). Whether a repair waits to be measured
-    (queued now or before)."""
-    trials = study.get_trials(deepcopy=False)
+    `outcome`: the study as just read (summarize). Whether a repair waits to be measured (queued
+    now or before)."""
+    trials, records = outcome.trials, outcome.records
     waiting = [t for t in trials if t.state == TrialState.WAITING]
     if waiting or repair.count(trials) >= req.trials * repair.SHARE:
         return any("repair" in t.user_attrs for t in waiting)
@@ -810,12 +811,16 @@ def _frozen_on_cpu(seed: Config) -> list[Config]:
     return [seed] if seed.get("compile", "none") == "none" else [{**seed, "compile_freezing": True}, seed]
 
 
-def _in_flight(study: optuna.Study, besides: int | None = None) -> dict[str, int]:
-    """Configs being measured now, by trials other than number `besides`: config key -> lowest
-    trial number."""
+def _running(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+
+def _in_flight(trials: list[optuna.trial.FrozenTrial], besides: int | None = None) -> dict[str, int]:
+    """Configs being measured now (`trials`, as read: the running ones count), by trials other
+    than number `besides`: config key -> lowest trial number."""
     out: dict[str, int] = {}
-    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if frozen.number == besides:
+    for frozen in trials:
+        if frozen.state != TrialState.RUNNING or frozen.number == besides:
             continue
         key = frozen.user_attrs.get("config_key")
         if key and "duplicate_of_running" not in frozen.user_attrs:
@@ -853,21 +858,21 @@ def tune(
                 out.setdefault(frozen.user_attrs["config_key"], frozen.number)
         return out
 
-    def ruled_out() -> set[str]:  # configs known infeasible without measuring them
-        return {
-            t.user_attrs["config_key"]
-            for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
-            if "dominated_by" in t.user_attrs
-        }
-
     while True:
         _fail_stale_trials(study)
-        done = measured()
-        others = _in_flight(study)
-        settled = set(done) | ruled_out()
+        # One read of the storage for what this pass decides on: measured, known not to fit
+        # without measuring, being measured by others, the records repair and patience judge.
+        outcome = summarize(study)
+        done: dict[str, int] = {}
+        for record in outcome.records:
+            done.setdefault(config_key(record.config), record.number)
+        ruled_out = {t.user_attrs["config_key"] for t in outcome.trials
+                     if t.state == TrialState.PRUNED and "dominated_by" in t.user_attrs}
+        others = _in_flight(outcome.trials)
+        settled = set(done) | ruled_out
         if len(done) >= req.trials:
             reason = f"{count(len(done), 'trial')} measured (--trials {req.trials})"
-            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            waiting = [t for t in outcome.trials if t.state == TrialState.WAITING]
             if waiting:  # a --warm-start given to a study that holds its trials: not lost, said
                 reason += f"; {count(len(waiting), 'queued config')} not measured: raise --trials to measure them"
             break
@@ -885,9 +890,8 @@ def tune(
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
             continue
 
-        records = summarize(study).records
-        repairing = _queue_a_repair(req, study, records)
-        stale = trials_since_improvement(records)
+        repairing = _queue_a_repair(req, study, outcome)
+        stale = trials_since_improvement(outcome.records)
         # A repair chain improves the best only at its last step, if at all, and its root ran
         # faster than all that fits: patience waits while one has a step to measure (repairs
         # take at most repair.SHARE of the trials).
@@ -919,7 +923,7 @@ def tune(
         # it looks (above), so of two racing trials the one that wrote later sees the other, and
         # steps back; its number says nothing about when it wrote. When both wrote before either
         # looked, both step back, and the config is proposed again later.
-        twin = _in_flight(study, besides=trial.number).get(key)
+        twin = _in_flight(_running(study), besides=trial.number).get(key)
         if twin is not None:
             trial.set_user_attr("duplicate_of_running", twin)
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
@@ -930,7 +934,7 @@ def tune(
             # trial in the storage).
             twins_in_a_row += 1
             time.sleep(1.0)
-            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and twin in _in_flight(study).values() and not _past(deadline):
+            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and twin in _in_flight(_running(study)).values() and not _past(deadline):
                 time.sleep(1.0)
                 _fail_stale_trials(study)  # its worker may be gone
             continue
@@ -946,7 +950,7 @@ def tune(
             study.tell(trial, earlier.value)
             duplicates_in_a_row += 1
             continue
-        so_far = summarize(study).records
+        so_far = outcome.records  # this pass's read: a trial another worker ends meanwhile counts next pass
         dominated_by = memory_dominated(config, so_far)
         if dominated_by is not None:
             _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
@@ -1112,7 +1116,7 @@ def confirm_contenders(
         _fail_stale_trials(study)  # a worker that died frees its trial or its claim
         if _past(deadline) or not _unconfirmed(study, req.confirm_rounds):
             return
-        claim = None if _in_flight(study) else _claim_confirmation(study)
+        claim = None if _in_flight(_running(study)) else _claim_confirmation(study)
         if claim is None:
             time.sleep(1.0)  # another worker's trial or confirmation is running
             continue

@@ -97,9 +97,7 @@ def classify(exc: BaseException) -> str:
     import torch
 
     text = f"{type(exc).__name__}: {exc}".lower()
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text:
-        return OUT_OF_MEMORY
-    if _host_memory_ran_out(exc):
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or _host_memory_ran_out(exc):
         return OUT_OF_MEMORY
     if "alloc_failed" in text:  # cuBLAS/cuDNN handles and workspaces (CUBLAS_STATUS_ALLOC_FAILED)
         return OUT_OF_MEMORY

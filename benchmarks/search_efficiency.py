@@ -304,7 +304,7 @@ def run_ours_with(factory):
 def run_ours_without_repair(table, budget, seed, max_trials):
     """ours, with the study's memory repair (autotune/repair.py) switched off: what it adds."""
     real = study_mod._queue_a_repair
-    study_mod._queue_a_repair = lambda req, study, records: False
+    study_mod._queue_a_repair = lambda req, study, outcome: False
     try:
         return run_ours(table, budget, seed, max_trials)
     finally:
