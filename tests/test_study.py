@@ -1100,3 +1100,62 @@ def test_a_confirmation_that_ran_out_of_host_memory_under_a_gpu_budget_fails_the
     assert on_host.violations["memory"] < 0 and on_host.violations["failed_again"] > 0
     assert not study.ran_out_of_memory(on_host)  # so float32 is not ruled out by it
     assert study.memory_dominated(baseline(), [on_host]) is None
+
+
+def test_a_worker_proposed_a_config_another_is_measuring_waits_for_it_instead_of_filling_the_storage(
+        tmp_path, monkeypatch):
+    """The sampler keeps proposing the config another worker is measuring (it counts it as a bad
+    one while it runs, constant_liar). Such proposals are no sign that the space is spent, and
+    after MAX_TWINS_IN_A_ROW of them the worker waits for that trial to end instead of writing one
+    failed trial a second to the storage."""
+    import threading
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.space import config_key
+
+    monkeypatch.setattr(study, "MAX_TWINS_IN_A_ROW", 2)
+    monkeypatch.setattr(study, "MAX_DUPLICATES_IN_A_ROW", 3)
+    monkeypatch.setattr(study, "make_sampler", lambda seed: optuna.samplers.PartialFixedSampler(
+        {"dtype": "bfloat16"}, optuna.samplers.RandomSampler(seed=0)))
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    bf16 = {**baseline(), "dtype": "bfloat16"}
+    heartbeat = study._heartbeat
+    ended = []
+
+    def the_other_worker(study_id):
+        # its own handle on the storage, as another process has; it measures for 4 s
+        time.sleep(4.0)
+        other_study = optuna.load_study(study_name="s", storage=storages.open_storage(storage))
+        other = optuna.trial.Trial(other_study, study_id)
+        other.set_user_attr("result", {"status": "ok", "latency_s": 0.5, "peak_memory_bytes": 500 * MiB})
+        study._record(other, memory=-0.5)
+        other_study.tell(other, 0.5)
+        ended.append(time.time())
+
+    def heartbeat_and_the_other_worker(storage_, trial):
+        heartbeat(storage_, trial)
+        if trial.number == 0:  # while this worker measures its baseline, the other starts on bfloat16
+            template = optuna.trial.create_trial(
+                state=TrialState.RUNNING,
+                user_attrs={"config": bf16, "config_key": config_key(bf16), "worker": "other",
+                            "heartbeat_at": time.time()},
+                system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)})
+            twin_id = storage_.create_new_trial(trial.study._study_id, template_trial=template)
+            threading.Thread(target=the_other_worker, args=(twin_id,), daemon=True).start()
+
+    monkeypatch.setattr(study, "_heartbeat", heartbeat_and_the_other_worker)
+    measure, measured = fake_measure(lambda c: 1.0)
+    outcome = study.tune(request(space, tmp_path, trials=3, storage=storage, confirm_rounds=0), measure=measure)
+    assert [c["dtype"] for c in measured] == ["float32"]  # bfloat16: the other worker's
+    trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
+    stepped_back = [t for t in trials if "duplicate_of_running" in t.user_attrs]
+    assert len(stepped_back) == 2  # then it waited, where it proposed the twin once a second for 4 s
+    after = next(t for t in trials if t.user_attrs.get("duplicate_of") == 1)  # bfloat16, done
+    assert after.datetime_start.timestamp() >= ended[0] - 0.01
+    # proposals of a config being measured did not count toward "the space is spent": the three
+    # repeats of the config measured by then did
+    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
+    assert sum(1 for t in trials if "duplicate_of" in t.user_attrs) == 3
