@@ -749,8 +749,9 @@ COMPILE_KNOBS = ("compile", "compile_fullgraph", "compile_regional", "compile_va
 def allowed_pairs(space):
     """Every single choice and every pair of choices (of two knobs) away from the baseline that
     `space` can propose, as full configs; a knob searched under `when` brings the condition it
-    needs (compile_fullgraph=True comes with compile=default). Pairs the space can never propose
-    (their `when` conditions disagree) are left out. Returns [(pair, config)]."""
+    needs (compile_fullgraph=True comes with compile=default), and a pair forbidden in float32
+    alone comes in half precision. Pairs the space can never propose (their `when` conditions
+    disagree) are left out. Returns [(pair, config)]."""
     values = [(d.name, v) for d in space.dimensions for v in d.choices if v != CATALOGUE[d.name].default]
     dims = {d.name: d for d in space.dimensions}
     out = []
@@ -762,6 +763,16 @@ def allowed_pairs(space):
             for other, wanted in (dims[name].when or {}).items():
                 partial.setdefault(other, wanted[0] if isinstance(wanted, list) else wanted)
         config = space.normalize(partial)
+        if "dtype" not in partial and "dtype" in dims and space.forbidden(config):
+            # a choice that takes half precision only (a flash kernel, float8 or int4, the
+            # fp16-fix VAE) would otherwise meet nothing but the precision, forbidden in the
+            # baseline's float32: it comes with the first half precision the rules allow
+            for half in ("bfloat16", "float16"):
+                if half in dims["dtype"].choices:
+                    candidate = space.normalize({**partial, "dtype": half})
+                    if not space.forbidden(candidate):
+                        config = candidate
+                        break
         if all(config[name] == value for name, value in combo):
             out.append((dict(combo), config))
     return out
@@ -901,7 +912,12 @@ def test_every_pair_on_a_cuda_target_is_allowed_only_if_its_choices_run_there(fa
     assert "fullgraph" in out(compile_fullgraph=True, offload="group-leaf-stream")
     assert "bfloat16" in out(dtype="float16", quantize="float8dq")
     assert "rewrite" in out(quantize="int8dq", layerwise_casting="fp8-e4m3")
-    assert "float16/bfloat16" in out(attention="sdpa-flash")  # with the baseline's float32
+    # a half-precision-only choice meets the other knobs in half precision, not ruled out by
+    # the baseline's float32 alone (else the GPU pair test would never apply it with another knob)
+    flash = next(config for pair, config in pairs if pair == {"attention": "sdpa-flash", "channels_last": True})
+    assert flash["dtype"] == "bfloat16" and out(attention="sdpa-flash", channels_last=True) is None
+    assert "float16/bfloat16" in space.forbidden({**flash, "dtype": "float32"})
+    assert out(quantize="int4wo", fuse_qkv=True) is None
     assert out(offload="model", vae_slicing=True) is None
     if family == "flux":
         assert "cache hooks" in out(compile_fullgraph=True, cache="first-block")
