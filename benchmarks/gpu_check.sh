@@ -40,27 +40,27 @@ case $stage in
 suite)
     # The memory tests one at a time: where the driver lists no process (a container without the
     # host's PID namespace) NVML's figure is the whole device's, which parallel tests would move.
-    timeout -s INT 280 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
+    timeout -k 20 -s INT 280 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-    timeout -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
+    timeout -k 20 -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
         -n 6 --dist worksteal --timeout 250 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
         2>&1 | tee -a "$out/gpu-tests.log"
     ;;
 workers)
     # apart: four whole CLI studies, each trial a fresh interpreter importing torch and diffusers;
     # serial, as the memory tests above
-    timeout -s INT 560 $py -m pytest tests/gpu/test_gpu_workers.py -q -rsP --timeout 300 --durations 10 \
+    timeout -k 20 -s INT 560 $py -m pytest tests/gpu/test_gpu_workers.py -q -rsP --timeout 300 --durations 10 \
         --junitxml "$out/gpu-tests-workers.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests-workers.log"
     ;;
 compile|pairs)
     # apart: each holds tests of minutes (cold compiles; several hundred configs per family)
     [ "$stage" = compile ] && select="compile" || select="every_pair"
-    timeout -s INT 560 $py -m pytest tests/gpu/test_knobs_gpu.py -k "$select" -q -rsP -n 6 --dist worksteal \
+    timeout -k 20 -s INT 560 $py -m pytest tests/gpu/test_knobs_gpu.py -k "$select" -q -rsP -n 6 --dist worksteal \
         --timeout 540 --durations 20 --junitxml "$out/gpu-tests-$stage.xml" -p no:cacheprovider \
         2>&1 | tee "$out/gpu-tests-$stage.log"
     ;;
 memory)
-    timeout -s INT 540 $py benchmarks/gpu_memory.py --steps 10 --trial-timeout 150 --out "$out"
+    timeout -k 20 -s INT 540 $py benchmarks/gpu_memory.py --steps 10 --trial-timeout 150 --out "$out"
     ;;
 tune)
     # the baseline and the three uncompiled SDXL seeds; then the profile replayed as production loads it.
@@ -68,15 +68,15 @@ tune)
     # those and of the trials is cut at 100 s and no trial starts after 100 s more, so the study
     # ends, its profile written, about 400 s after the set-up's own loading, before the stage's kill
     # (not yet run: the loading of SDXL's random weights is not measured on a GPU).
-    timeout -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
+    timeout -k 20 -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
         --confirm 0 --trial-timeout 100 --timeout 100 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
         2>&1 | tee "$out/tune.log"
-    [ -f "$out/sdxl-12GB.yaml" ] && timeout -s INT 150 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 140 \
+    [ -f "$out/sdxl-12GB.yaml" ] && timeout -k 20 -s INT 150 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 140 \
         2>&1 | tee "$out/verify.log"
     rm -rf "$out/work/trials" "$out/work/compile-cache"  # images and caches: too large to bring back
     ;;
 versus)
-    timeout -s INT 540 $py benchmarks/versus_hand_tuning.py --device cuda --quick --paired-rounds 0 \
+    timeout -k 20 -s INT 540 $py benchmarks/versus_hand_tuning.py --device cuda --quick --paired-rounds 0 \
         --trial-timeout 120 --workdir /tmp/vht-quick --out "$out" --name cuda-quick
     ;;
 *)
