@@ -3,6 +3,8 @@ and placement across several GPUs."""
 
 from __future__ import annotations
 
+import contextlib
+
 from .base import Knob
 
 
@@ -108,8 +110,11 @@ def _apply_offload(pipe, value, target, config):
     if value in _OFFLOADS:
         getattr(pipe, _OFFLOADS[value])(device=target.device)
     elif value in _GROUPS:
-        pipe.enable_group_offload(onload_device=torch.device(target.device), offload_device=torch.device("cpu"),
-                                  **_GROUPS[value])
+        onload = torch.device(target.device)
+        # diffusers makes the prefetch stream on the current CUDA device: on cuda:1 it would be
+        # cuda:0's while the weights go to cuda:1
+        with torch.cuda.device(onload) if onload.type == "cuda" else contextlib.nullcontext():
+            pipe.enable_group_offload(onload_device=onload, offload_device=torch.device("cpu"), **_GROUPS[value])
 
 
 def _offload_unavailable(value, target):
