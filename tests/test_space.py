@@ -346,6 +346,25 @@ def test_compile_is_dropped_on_a_cpu_where_inductor_finds_no_compiler(tmp_path):
     assert "needs a C++ compiler inductor finds" in seen and "g++" in seen
 
 
+def test_compile_is_dropped_on_a_cuda_target_without_a_c_compiler_for_triton(tmp_path, monkeypatch):
+    # Triton builds its kernel launchers with $CC, else gcc or clang, at the first compiled call:
+    # a slim image without one would fail every compiled trial. The PATH and CC are real; only
+    # the GPU is a value (Target names CUDA, nothing runs on it).
+    import shutil
+
+    gcc = shutil.which("gcc")
+    target = Target("cuda", "sd15", capability=(9, 0))
+    space = SearchSpace.from_file(SHIPPED_DIR / "sd15.yaml")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    dropped = {d.reason for d in space.restrict(target).dropped if d.knob == "compile"}
+    assert dropped == {"torch.compile on CUDA needs a C compiler for Triton's kernel launchers (gcc, clang, or $CC)"}
+    if gcc is None:
+        pytest.skip("no gcc here to name as $CC")
+    monkeypatch.setenv("CC", gcc)
+    assert not [d for d in space.restrict(target).dropped if d.knob == "compile"]
+
+
 def test_the_listing_says_why_a_knob_is_not_searched():
     """'fixed at none' alone did not say whether the space leaves a knob out or this machine
     cannot run its other choices."""

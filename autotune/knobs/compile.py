@@ -14,6 +14,9 @@ TorchScript in favour of torch.compile/torch.export, which keep the module and t
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from .base import Knob, ProcessSettings, denoiser, denoiser_class, nothing
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -43,7 +46,7 @@ def _compile_unavailable(value, target):
         return f"mode {value} captures CUDA graphs: CUDA only"
     if not target.is_cuda:
         return _no_cpp_compiler()
-    return None
+    return _no_c_compiler_for_triton()
 
 
 def _no_cpp_compiler() -> str | None:
@@ -186,3 +189,22 @@ COMPILE_FREEZING = Knob(
     "(on the CPU) prepacked; faster, and more memory",
     apply=_apply_freezing,
 )
+
+
+def _no_c_compiler_for_triton() -> str | None:
+    # Inductor's CUDA kernels are Triton's, and Triton builds each kernel's launcher with a C
+    # compiler at the first call: without one (a slim container image) every compiled trial
+    # would fail there. Triton's own search where it has one (triton.runtime.build.get_cc in
+    # recent releases), else the same order it uses: $CC, gcc, clang.
+    try:
+        from triton.runtime.build import get_cc
+    except ImportError:  # Triton without get_cc, or no Triton (torch's CUDA wheels bring it)
+        found = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    else:
+        try:
+            found = get_cc()
+        except RuntimeError:
+            found = None
+    if not found:
+        return "torch.compile on CUDA needs a C compiler for Triton's kernel launchers (gcc, clang, or $CC)"
+    return None
