@@ -499,8 +499,6 @@ def _tune(args, argv: list[str]) -> int:
     earlier = {} if args.study_name else _earlier_studies(request)
     if not args.no_profile and not args.output:
         _check_default_output_is_this_studys(output, study_name, earlier)
-    from rich.markup import escape
-
     out = console.terminal()
     console.print_header(out, request, space)
     if budget - margin > machine["memory_bytes"]:  # allowed (a budget for a bigger machine), but nothing binds here
@@ -508,9 +506,9 @@ def _tune(args, argv: list[str]) -> int:
         out.print(f"note: the budget {format_size(budget)}, less its margin, is more than {whose} memory "
                   f"({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
     for name, (trials, differences) in earlier.items():
-        out.print(escape(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same "
-                         f"model, size and budget, measured under other settings ({differences}): this run starts a "
-                         f"new study; --warm-start {name} would measure that study's best configurations first"))
+        out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same "
+                  f"model, size and budget, measured under other settings ({differences}): this run starts a "
+                  f"new study; --warm-start {name} would measure that study's best configurations first")
     if args.gpus:
         return _tune_on_gpus(out, request, args, argv, output)
     try:

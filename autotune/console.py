@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -28,7 +27,9 @@ PIPED_WIDTH = 160
 
 
 def terminal() -> Console:
-    out = Console(stderr=False, highlight=False, soft_wrap=True)
+    # No rich markup: what autotune prints holds paths, names and configs in brackets (a file
+    # "[/x].yaml", "[dtype=bfloat16]"), which markup would swallow or fail on.
+    out = Console(stderr=False, highlight=False, soft_wrap=True, markup=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:  # COLUMNS: the user's own width wins
         out.width = PIPED_WIDTH
     return out
@@ -90,8 +91,8 @@ def print_space(space, target, out: Console | None = None) -> None:
         out.print("forbidden combinations: " + "; ".join(rules))
     seeds = space.seed_configs()
     if seeds:
-        out.print(escape("seeds, measured first after the baseline: "
-                         + "; ".join(config_changes(c) for c in seeds)))
+        out.print("seeds, measured first after the baseline: "
+                  + "; ".join(config_changes(c) for c in seeds))
     if len(seeds) < len(space.seeds):  # said, not silent: a seed naming what is not searched here
         out.print(f"{len(space.seeds) - len(seeds)} of the space's {len(space.seeds)} seeds left out: "
                   "reduced to choices searched here, they became the baseline, a forbidden config or "
@@ -171,7 +172,7 @@ class TrialProgress:
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
         if record.repair:  # repair.py
             what += f" (trial {record.repair['of']} over the budget, with {record.repair['adds']} added)"
-        self.out.print(escape(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]"))
+        self.out.print(f"trial {record.number:3d}  {what}  [{config_changes(record.config)}]")
         desc = "tuning"
         if self.best:
             desc = f"best {self.best.latency_s:.3f} s"
@@ -192,7 +193,7 @@ class TrialProgress:
             what += _busy_note(entry)
         else:
             what = entry["status"]
-        self.out.print(escape(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]"))
+        self.out.print(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]")
 
 
 def _busy_note(result: dict) -> str:
@@ -296,9 +297,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         configs.append(f"{label} (trial {rec.number}, {measured}{guard}): {config_changes(rec.config)}")
     out.print(table)
     for line in configs:
-        out.print(escape(line))
+        out.print(line)
     if getattr(outcome, "choice_note", None):
-        out.print(escape(f"choice: {outcome.choice_note}"))
+        out.print(f"choice: {outcome.choice_note}")
     if len(outcome.front) > 1:
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
@@ -358,9 +359,9 @@ def print_profile(out: Console, profile) -> None:
     out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}, "
               f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
               + (f", {speed:.2f}x the baseline" if speed else "")
-              + escape(f"  [{config_changes(best['config'])}]"))
+              + f"  [{config_changes(best['config'])}]")
     if d["study"].get("choice"):
-        out.print(escape(f"  choice: {d['study']['choice']}"))
+        out.print(f"  choice: {d['study']['choice']}")
     # The pick is off the front when it was kept over a faster config within noise (the choice
     # line says why): it gets its row too, so the table holds what "best" names.
     def is_best(point) -> bool:

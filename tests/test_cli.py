@@ -881,7 +881,7 @@ def test_the_summary_shows_where_an_out_of_memory_baseline_stopped():
 
     stopped = TrialRecord(0, {}, "out_of_memory", {"peak_memory_bytes": 4 * 2**30}, 2.0, baseline=True)
     outcome = StudyOutcome(records=[stopped], stop_reason="done", baseline=stopped)
-    out = Console(record=True, width=120)
+    out = Console(markup=False, record=True, width=120)
     print_summary(out, outcome, 2 * 2**30)
     text = out.export_text()
     assert ">= 4.00 GiB" in text and "baseline: out_of_memory" in text
@@ -897,7 +897,7 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
                        baseline=True)
     quiet = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 0.5,
                                                          "cores_taken_by_others": 0.01}, 0.5)
-    out = Console(record=True, width=200)
+    out = Console(markup=False, record=True, width=200)
     with TrialProgress(out, 2) as progress:
         progress.update(busy)
         progress.update(quiet)
@@ -916,12 +916,12 @@ def test_the_summary_marks_a_headroom_short_of_the_margin():
 
     MiB = 2**20
     base = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 524 * MiB, "latency_s": 1.0}, 1.0, baseline=True)
-    out = Console(record=True, width=200)
+    out = Console(markup=False, record=True, width=200)
     print_summary(out, StudyOutcome(records=[base], stop_reason="done", baseline=base), 1024 * MiB, 512 * MiB)
     assert "500.00 MiB (< margin)" in out.export_text()
     # over the budget itself: said so, not "short of the margin"
     over = TrialRecord(1, {}, "ok", {"peak_memory_bytes": 1060 * MiB, "latency_s": 0.5}, 1.0)
-    out = Console(record=True, width=200)
+    out = Console(markup=False, record=True, width=200)
     print_summary(out, StudyOutcome(records=[base, over], stop_reason="done", baseline=base, best=over), 1024 * MiB, 51 * MiB)
     assert "-36.00 MiB (over budget)" in out.export_text()
 
@@ -938,7 +938,7 @@ def test_the_summary_table_keeps_its_figures_whole_at_80_columns():
                                      "cold_start_s": 0.1}, -0.1, baseline=True)
     best = TrialRecord(1, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 514 * MiB, "latency_s": 0.115,
                                                          "p90_s": 0.116, "cold_start_s": 0.1}, -0.1)
-    out = Console(record=True, width=80)
+    out = Console(markup=False, record=True, width=80)
     print_summary(out, StudyOutcome(records=[base, best], stop_reason="done", baseline=base, best=best), 545 * MiB, 27 * MiB)
     text = out.export_text()
     assert "…" not in text and "latency" in text and "528.00 MiB" in text and "17.00 MiB (<" in text

@@ -562,7 +562,7 @@ def show(profile) -> str:
 
     from autotune import console
 
-    out = Console(file=io.StringIO(), width=200)
+    out = Console(markup=False, file=io.StringIO(), width=200)
     console.print_profile(out, profile)
     return out.file.getvalue()
 
@@ -608,6 +608,20 @@ def test_show_of_a_bad_profile_is_one_line(tmp_path):
     assert proc.stderr.strip() == "autotune: error: profile bad.yaml: best.latency_s must be a positive number, not 'fast'"
 
 
+def test_names_in_brackets_are_shown_as_they_are(tmp_path):
+    """rich read "[/x]" in a path or a name as a closing tag: `show` of a file in a folder named
+    "[" ended in a MarkupError traceback, and "[red]" vanished from what it printed."""
+    doc = document()
+    doc["machine"]["name"] = "[/bold] box"
+    doc["study"]["name"] = "[red]s"
+    (tmp_path / "[").mkdir()
+    (tmp_path / "[" / "x].yaml").write_text(yaml.safe_dump(doc))
+    proc = run_cli("show", "[/x].yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "profile [/x].yaml" in proc.stdout and "study: [red]s" in proc.stdout
+    assert "[/bold] box" in proc.stdout + proc.stderr  # the machine, named where it differs from this one
+
+
 def test_a_failed_replay_shows_no_replayed_figures(written):
     """A replay whose model did not load still reported where it stopped (429 MiB), and verify's
     table set it beside the recorded peak as a ratio of 0.877, which reads as a saving."""
@@ -615,7 +629,7 @@ def test_a_failed_replay_shows_no_replayed_figures(written):
 
     from autotune import console
 
-    out = Console(file=io.StringIO(), width=200)
+    out = Console(markup=False, file=io.StringIO(), width=200)
     failed = {"status": "error", "error": "load: no such model folder", "peak_memory_bytes": 429 * 2**20}
     console.print_verification(out, load_profile(written), failed, fits=None)
     rows = [line for line in out.file.getvalue().splitlines() if "peak memory" in line]
@@ -630,7 +644,7 @@ def test_a_replay_timed_beside_other_work_says_so(written):
 
     replayed = {"status": "ok", "latency_s": 1.2, "peak_memory_bytes": 3 * GiB}
     for taken, warned in ((0.8, True), (0.1, False)):
-        out = Console(file=io.StringIO(), width=200)
+        out = Console(markup=False, file=io.StringIO(), width=200)
         console.print_verification(out, load_profile(written), {**replayed, "cores_taken_by_others": taken}, fits=True)
         said = "warning: replayed (timed while other processes took 0.8 of its CPU cores)" in out.file.getvalue()
         assert said == warned

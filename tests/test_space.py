@@ -375,7 +375,7 @@ def test_the_listing_says_why_a_knob_is_not_searched():
     from autotune.console import print_space
 
     target = Target("cpu", "flux")
-    out = Console(width=200, record=True)
+    out = Console(markup=False, width=200, record=True)
     print_space(SearchSpace.from_file(SHIPPED_DIR / "tiny-flux.yaml").restrict(target), target, out)
     text = out.export_text()
     assert re.search(r"│ cache +│ fixed at none \(not searched in tiny-flux\.yaml\) +│", text)

@@ -404,7 +404,7 @@ def test_a_resume_that_only_confirms_says_what_it_measured(tmp_path):
     outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=1, storage=storage), measure=measure)
     assert (outcome.measured_here, len(outcome.records), outcome.confirmed_here) == (0, 3, 2)
     text = io.StringIO()
-    console.print_share(Console(file=text, width=200), outcome)
+    console.print_share(Console(markup=False, file=text, width=200), outcome)
     assert text.getvalue() == ("this run measured 2 confirmation trials; the study's 3 trials were measured by an "
                                "earlier run or by other workers sharing it\n")
 
