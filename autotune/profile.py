@@ -24,7 +24,7 @@ import yaml
 from . import fingerprint
 from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete, unrunnable
+from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete, conflict, unrunnable
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -403,7 +403,7 @@ def _check_measurement(measured: dict, path) -> None:
                            f"(0.05 for 5%) or null, not {spread!r:.40}")
 
 
-def _check_point(point, where: str, path) -> None:
+def _check_point(point, where: str, path, family: str) -> None:
     if not isinstance(point, dict):
         raise ProfileError(f"profile {path}: {where} must be a mapping (a measured point), not {point!r:.40}")
     missing = [k for k in POINT_KEYS if k not in point]
@@ -423,9 +423,12 @@ def _check_point(point, where: str, path) -> None:
         raise ProfileError(f"profile {path}: {where}.latencies_s must be a list of numbers or null, "
                            f"not {latencies!r:.40}")
     try:
-        complete(point["config"])
+        full = complete(point["config"])
     except ValueError as exc:
         raise ProfileError(f"profile {path}: {where}.config: {exc}") from None
+    why = conflict(full, family)  # what no study measures: an edited file, or a rule made since
+    if why:
+        raise ProfileError(f"profile {path}: {where}.config is a combination autotune rules out: {why}")
 
 
 def validate(data, path) -> None:
@@ -465,19 +468,20 @@ def validate(data, path) -> None:
         raise ProfileError(f"profile {path}: budget.memory_bytes must be a positive number of bytes")
     if budget.get("margin_bytes") is not None and not _is_number(budget["margin_bytes"]):
         raise ProfileError(f"profile {path}: budget.margin_bytes must be a number or null")
-    _check_point(data["best"], "best", path)
+    problem = spec_problem(data["model"])
+    if problem:
+        raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")
+    family = data["model"]["family"]  # the conflict rules of some knobs hold for some families
+    _check_point(data["best"], "best", path, family)
     if data.get("baseline") is not None:
-        _check_point(data["baseline"], "baseline", path)
+        _check_point(data["baseline"], "baseline", path, family)
     for i, point in enumerate(data["pareto"]):
-        _check_point(point, f"pareto[{i}]", path)
+        _check_point(point, f"pareto[{i}]", path, family)
     _check_measurement(data.get("measurement") or {}, path)
     for key in ("name", "storage"):  # read by reports to find the study's trials
         value = data["study"].get(key)
         if value is not None and not isinstance(value, str):
             raise ProfileError(f"profile {path}: study.{key} must be text or null, not {value!r:.40}")
-    problem = spec_problem(data["model"])
-    if problem:
-        raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")
     try:
         workload = Workload.from_dict(data["workload"])
     except ValueError as exc:
@@ -487,6 +491,9 @@ def validate(data, path) -> None:
     except ValueError as exc:
         raise ProfileError(f"profile {path}: workload.{exc}") from None
     try:
-        parse_margin(budget.get("margin", "0"), int(budget["memory_bytes"]))
+        margin = parse_margin(budget.get("margin", "0"), int(budget["memory_bytes"]))
     except ValueError as exc:
         raise ProfileError(f"profile {path}: budget.margin: {exc}") from None
+    if margin >= budget["memory_bytes"]:  # the CLI refuses such a margin: nothing could fit
+        raise ProfileError(f"profile {path}: budget.margin {budget['margin']} leaves nothing of the budget "
+                           f"({format_size(int(budget['memory_bytes']))})")

@@ -133,7 +133,7 @@ def _server_url(url: str):
 
     try:
         return make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         return None
 
 

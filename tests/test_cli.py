@@ -74,6 +74,10 @@ def one_line_error(proc):
         (["--storage", "postgresql://me:secret@127.0.0.1:1/db", "--trials", "1"],
          "storage postgresql://me:***@127.0.0.1:1/db: cannot open it"),
         (["-o", "autotune-studies/studies.db", "--trials", "1"], "would destroy the measured trials"),
+        # SQLAlchemy's ValueError for a port that is not a number was a traceback
+        (["--storage", "postgresql://me@host:notaport/db", "--trials", "1"],
+         "storage postgresql://me@host:notaport/db: cannot open it"),
+        (["export", "--study-name", "x", "--storage", "postgresql://me@[::1/db"], "storage postgresql://me@[::1/db: cannot open it"),
         (["shw", "x.yaml"], "unknown command 'shw' (commands: show, verify, export, report"),
         (["--sampler-seed", "-1"], "--sampler-seed: must be from 0 to 2**32 - 1"),  # else numpy's traceback
         (["--sampler-seed", str(2**32)], "--sampler-seed: must be from 0 to 2**32 - 1"),

@@ -139,7 +139,7 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     from autotune.models import build_pipeline
 
     doc = document()
-    doc["best"]["config"].update(offload="sequential", placement="balanced", quantize="int4wo", tf32=True)
+    doc["best"]["config"].update(offload="sequential", quantize="float8dq", tf32=True)
     doc["pareto"][1] = doc["best"]
     profile = load_profile(profile_io.save(doc, tmp_path / "gpu.yaml"))
     pipe = build_pipeline(resolve_model("tiny-sd15"))
@@ -150,10 +150,16 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
             attempt()
         said = str(raised.value)
         assert said.startswith("this profile's configuration cannot run on cpu here (it was measured on cpu, ")
-        for choice in ("offload=sequential: CPU offload needs an accelerator", "placement=balanced: balanced placement "
-                       "needs more than one CUDA GPU", "quantize=int4wo: ", "tf32=True: TF32 needs a CUDA GPU"):
+        for choice in ("offload=sequential: CPU offload needs an accelerator", "quantize=float8dq: ",
+                       "tf32=True: TF32 needs a CUDA GPU"):
             assert choice in said, said
     assert not built and not hasattr(pipe, APPLIED)
+    placed = copy.deepcopy(doc)  # placement excludes offload (a rule): a config of its own
+    placed["best"]["config"].update(offload="none", placement="balanced")
+    placed["pareto"][1] = placed["best"]
+    with pytest.raises(ProfileError, match="placement=balanced: balanced placement needs more than one CUDA GPU"):
+        load_profile(profile_io.save(placed, tmp_path / "placed.yaml")).load_pipeline()
+    assert not built
     if not torch.cuda.is_available():  # a GPU's profile on this CPU: "pass device='cpu'" would not load it either
         doc["machine"] = {**doc["machine"], "device": "cuda"}
         gpu = load_profile(profile_io.save(doc, tmp_path / "cuda.yaml"), check_fingerprint=False)
@@ -238,6 +244,12 @@ def test_choose_keeps_the_safety_margin_free(tmp_path):
     assert profile.choose(int(3.4 * GiB))["trial"] == 3
 
 
+def edit(path, change):
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 @pytest.mark.parametrize(
     "mangle, message",
     [
@@ -250,6 +262,13 @@ def test_choose_keeps_the_safety_margin_free(tmp_path):
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),
         (lambda p: p.write_text("autotune_profile: !!python/object/apply:os.getpid []\n"),
          "uses the tag !!python/object/apply:os.getpid at line 1, which safe loading refuses"),
+        # a key YAML reads as a number: a TypeError from the message's join, where it was said
+        (lambda p: p.write_text(p.read_text().replace("channels_last: true", "1: true", 1)), "unknown knob(s): 1"),
+        # edited into a combination no study measures: it replayed to "'NoneType' object is not callable"
+        (lambda p: edit(p, lambda d: d["pareto"][0]["config"].update(fuse_qkv=True)),
+         "pareto[0].config is a combination autotune rules out: attention slicing replaces the fused"),
+        (lambda p: edit(p, lambda d: d["budget"].update(margin="99GB")),
+         "budget.margin 99GB leaves nothing of the budget (4.00 GiB)"),
     ],
 )
 def test_bad_profiles_give_one_clear_line(written, mangle, message):
@@ -417,6 +436,12 @@ def _set(section, key=None, value=None):
         else:
             doc[section][key] = value
     return mangle
+
+
+def edit(path, change):
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 @pytest.mark.parametrize(

@@ -205,7 +205,7 @@ def changed(config: Config) -> Config:
 
 def complete(config: Config) -> Config:
     """Every catalogue knob, in apply order, with defaults for those the config leaves out."""
-    unknown = sorted(set(config) - set(CATALOGUE))
+    unknown = sorted(map(repr, set(config) - set(CATALOGUE)))  # repr: a key may be a YAML number
     if unknown:
         raise ValueError(f"unknown knob(s): {', '.join(unknown)}")
     full = baseline()
