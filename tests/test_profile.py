@@ -438,12 +438,6 @@ def _set(section, key=None, value=None):
     return mangle
 
 
-def edit(path, change):
-    data = yaml.safe_load(path.read_text())
-    change(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 @pytest.mark.parametrize(
     "mangle, message",
     [
