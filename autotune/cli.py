@@ -69,6 +69,13 @@ def a_path(text: str) -> Path:
     return Path(text)
 
 
+def a_storage_url(text: str) -> str:
+    """--storage's value: an empty one would fall back to the default storage unsaid."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give a storage URL, or leave the option out for the default")
+    return text
+
+
 def _rounds(text: str) -> int:
     return _whole_number(text, 0)
 
@@ -219,7 +226,7 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="start trials forked from a preloaded server (fast) or as fresh "
                    "interpreters (default: fork on a CPU, spawn on a GPU)")
     o = p.add_argument_group("storage and output")
-    o.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db); "
+    o.add_argument("--storage", type=a_storage_url, help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db); "
                    "journal:PATH for a journal file")
     o.add_argument("--workdir", type=a_path, default=DEFAULT_WORKDIR,
                    help="the studies' working files: trial folders, the compile cache, and the "
@@ -467,21 +474,22 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError(f"--threads {threads}: autotune may use {cores} CPU cores here")
     if args.study_name is not None:
         _check_study_name(args.study_name)
-    # The trials' files and compile cache live here even with --storage: check it before a trial.
-    _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     storage = args.storage or default_storage(args.workdir)
     _check_storage_keeps(storage)
-    min_psnr = args.min_psnr
-    study_name = args.study_name or _study_name(spec, workload, budget, device, space,
-                                                margin=margin, threads=threads, min_psnr=min_psnr)
-    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
     output = args.output or default_profile_path(spec, budget)
     if not args.no_profile:
-        # The profile is written after the search: a path that takes no file fails now, not then.
+        # The profile is written after the search: a path that takes no file fails now, not then,
+        # and before a folder or a storage file is made for a run that cannot end well.
         from .profile import check_writable
 
         _check_not_the_storage(output, storage)
         check_writable(output)
+    # The trials' files and compile cache live here even with --storage: check it before a trial.
+    _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
+    min_psnr = args.min_psnr
+    study_name = args.study_name or _study_name(spec, workload, budget, device, space,
+                                                margin=margin, threads=threads, min_psnr=min_psnr)
+    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
     workdir = args.workdir / "trials" / study_name
 
     request = TuneRequest(
@@ -605,6 +613,8 @@ def _check_study_name(name: str) -> None:
     # The name is a folder under --workdir (trials, compile cache): it must stay one folder there.
     if not name.strip():
         raise UsageError("--study-name is empty: name the study, or leave the option out for the default")
+    if not name.isprintable():  # a newline split the header, and the folder's name
+        raise UsageError(f"--study-name {name!r}: a study name is one line of printable text")
     if "/" in name or os.sep in name or name in (".", ".."):
         raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
 
@@ -826,15 +836,18 @@ def _export(argv: list[str]) -> int:
     p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
     p.add_argument("--study-name", required=True)
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--storage", help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
+    where.add_argument("--storage", type=a_storage_url, help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=a_path,
                        help=f"the --workdir the study ran with, to find its default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--output", "-o", type=a_path, help="profile path, its folders made as needed "
                    "(default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
     storage = args.storage or default_storage(args.workdir)
-    if args.output:
+    if args.output:  # before the summary is printed: a path that takes no file is the one line
+        from .profile import check_writable
+
         _check_not_the_storage(args.output, storage)
+        check_writable(args.output)
     check_file(storage, must_exist=False)  # not a URL, a folder: said as they are
     try:  # no storage file yet: "no study", with a hint where it is the default one
         check_file(storage, hint="" if args.storage or args.workdir else WORKDIR_HINT)
@@ -858,7 +871,10 @@ def _export(argv: list[str]) -> int:
                   "measured so far; export again once its runs end")
     output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study
+        from .profile import check_writable
+
         _check_not_the_storage(output, storage)
+        check_writable(output)
         _check_default_output_is_this_studys(output, args.study_name)
     return _write_profile(out, request, outcome, output)
 

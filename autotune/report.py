@@ -1070,7 +1070,7 @@ def main(argv: list[str]) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, none tried
-    from .cli import _Parser, a_path
+    from .cli import _Parser, a_path, a_storage_url
 
     p = _Parser(
         prog="autotune report",
@@ -1082,7 +1082,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("sources", nargs="*", metavar="SOURCE",
                    help="a profile file, NAME@STORAGE_URL, or a storage URL or SQLite file (all its studies)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--storage", help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
+    where.add_argument("--storage", type=a_storage_url, help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=a_path,
                        help=f"the --workdir the studies ran with, to find their default storage (default: {DEFAULT_WORKDIR})")
     p.add_argument("--study", action="append", default=[], metavar="NAME",

@@ -87,11 +87,22 @@ def one_line_error(proc):
         (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),
         (["--max-calls", "1", "--repeats", "3"], "--max-calls 1 is below --repeats 3"),
         (["--max-call", "1", "--repeats", "3"], "--max-calls 1 is below --repeats 3"),  # argparse's abbreviation
+        (["--storage", ""], "argument --storage: empty: give a storage URL"),  # ran on the default one
+        (["report", "--storage", " ", "--out", "r"], "argument --storage: empty: give a storage URL"),
+        (["--study-name", "a\nb", "--trials", "1"], "a study name is one line of printable text"),
+        (["export", "--study-name", "x", "-o", "/proc/x.yaml"], "profile /proc/x.yaml: cannot write in /proc"),
     ],
 )
 def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
     line = one_line_error(cli(*args))
     assert message in line
+
+
+def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
+    # the run was refused, but it had made autotune-studies/studies.db first
+    line = one_line_error(cli("-o", "/proc/x.yaml", "--trials", "1"))
+    assert "profile /proc/x.yaml: cannot write in /proc" in line
+    assert not (tmp_path / "autotune-studies").exists()
 
 
 def test_a_space_with_no_choice_left_here_is_one_line(cli, tmp_path):
