@@ -256,6 +256,8 @@ class Profile:
         """Whether a peak plus the profile's safety margin is within `budget_bytes` (bytes, or a
         size such as "6GB"; by default the profile's own budget): the rule the study judged its
         trials by."""
+        if not _is_number(peak_bytes) or peak_bytes < 0:  # else "x" is a TypeError and -1 fits
+            raise ProfileError(f"peak_bytes must be a number of bytes, 0 or more, not {peak_bytes!r:.40}")
         budget_bytes = self._budget(budget_bytes)
         return peak_bytes + self.margin_bytes(budget_bytes) <= budget_bytes
 

@@ -81,6 +81,9 @@ def test_choose_takes_a_size_as_the_cli_does(written):
     assert profile.fits(3 * GiB, "3GB") and not profile.fits(3 * GiB, "2GB")
     with pytest.raises(ProfileError, match="no configuration in this profile fits 512.00 MiB"):
         profile.choose("512MB")
+    for peak in (-1, "x", None):  # -1 fitted every budget, "x" was a TypeError
+        with pytest.raises(ProfileError, match="peak_bytes must be a number of bytes, 0 or more"):
+            profile.fits(peak)
 
 
 @pytest.mark.parametrize("budget, message", [
