@@ -474,18 +474,18 @@ def _tune(args, argv: list[str]) -> int:
         raise UsageError(f"--threads {threads}: autotune may use {cores} CPU cores here")
     if args.study_name is not None:
         _check_study_name(args.study_name)
+    # The trials' files and compile cache live here even with --storage: check it before a trial.
+    _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     storage = args.storage or default_storage(args.workdir)
     _check_storage_keeps(storage)
     output = args.output or default_profile_path(spec, budget)
     if not args.no_profile:
         # The profile is written after the search: a path that takes no file fails now, not then,
-        # and before a folder or a storage file is made for a run that cannot end well.
+        # and before the storage is opened (a SQLite file made) for a run that cannot end well.
         from .profile import check_writable
 
         _check_not_the_storage(output, storage)
         check_writable(output)
-    # The trials' files and compile cache live here even with --storage: check it before a trial.
-    _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     min_psnr = args.min_psnr
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=min_psnr)
