@@ -217,7 +217,7 @@ class Profile:
 
     @property
     def threads(self) -> int | None:
-        """CPU threads the figures were measured with (torch.set_num_threads in serving)."""
+        """CPU threads the figures were measured with (load_pipeline and apply set them on a CPU)."""
         return (self.data.get("measurement") or {}).get("threads")
 
     @property
@@ -310,6 +310,7 @@ class Profile:
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         self._check_runs(config, target)
+        self._hold_threads(target)
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
@@ -326,7 +327,23 @@ class Profile:
         `budget_bytes` (bytes, or a size such as "6GB") picks it as `choose` does."""
         config, target = self.choose(budget_bytes)["config"], self._target(device)
         self._check_runs(config, target)  # before the build: a full-size model loads for minutes
+        self._hold_threads(target)
         return build_configured(self.model, config, target)
+
+    def _hold_threads(self, target: Target) -> None:
+        """On a CPU, torch's thread count as the trials had it: part of what was measured (2
+        threads against 1 can double a call's latency or halve it), and inductor's CPU kernels
+        keep the count they were compiled with. Capped at the cores usable here, with a warning.
+        On a GPU the trials left torch's default, and so is it left here."""
+        if target.device != "cpu" or not self.threads:
+            return
+        import torch
+
+        threads = min(self.threads, fingerprint.usable_cores())
+        if threads < self.threads:
+            warnings.warn(f"measured with {self.threads} CPU threads; {threads}, the cores usable here, are used",
+                          ProfileMismatchWarning, stacklevel=3)
+        torch.set_num_threads(threads)
 
     def _check_runs(self, config: dict, target: Target) -> None:
         """ProfileError naming each choice that cannot run here, with its reason: else the first one

@@ -683,9 +683,39 @@ def test_the_readmes_serving_code_runs(written):
     namespace = {}
     exec(block.replace('"sdxl-8GB.yaml"', repr(str(written))), namespace)  # noqa: S102 - the README's own code
     assert namespace["pipe"].unet.dtype == torch.bfloat16
+    assert len(namespace["images"]) == 1  # called as measured: the profile's size, steps and batch
     commented = [line.lstrip("# ") for line in block.splitlines() if line.startswith("# pipe = ")]
     assert len(commented) == 1
     exec(commented[0], {**namespace, "my_pipeline": build_pipeline(resolve_model("tiny-sd15"))})  # noqa: S102
+
+
+def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_path):
+    # load_pipeline left torch's default (2 here) where the trials had run with 1: part of what
+    # was measured, and inductor's CPU kernels keep the count they were compiled with
+    before = torch.get_num_threads()
+    doc = document()
+    doc["measurement"] = {"threads": 1}
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"), check_fingerprint=False)
+    try:
+        torch.set_num_threads(2)
+        profile.load_pipeline()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        profile.apply(build_tiny_unconfigured())
+        assert torch.get_num_threads() == 1
+        doc["measurement"] = {"threads": 10_000}  # more than this machine has: capped, said
+        many = load_profile(profile_io.save(doc, tmp_path / "many.yaml"), check_fingerprint=False)
+        with pytest.warns(ProfileMismatchWarning, match="measured with 10000 CPU threads"):
+            many.load_pipeline()
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_tiny_unconfigured():
+    from autotune.models import build_pipeline
+
+    return build_pipeline(resolve_model("tiny-sd15"))
 
 
 def test_nvml_finds_a_gpu_by_its_uuid_as_torch_nvml_or_cuda_write_it():
