@@ -311,6 +311,7 @@ class Profile:
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         self._check_runs(config, target)
         self._hold_threads(target)
+        loaded_in = str(pipe.dtype).removeprefix("torch.")  # read before the config casts it
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
@@ -320,6 +321,11 @@ class Profile:
                 warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
                               "the weights as loaded followed it; this pipeline was loaded before, so its peak "
                               "may exceed the measured one: use profile.load_pipeline()", stacklevel=2)
+        if loaded_in != config["dtype"]:  # the same state once cast, but the load held the other weights
+            warnings.warn(f"this pipeline was loaded in {loaded_in} and cast to {config['dtype']}: its load may "
+                          f"have held more memory than the trial's, which loaded in {config['dtype']} "
+                          f"(from_pretrained(..., torch_dtype=torch.{config['dtype']}), or profile.load_pipeline())",
+                          stacklevel=2)
         return pipe
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):

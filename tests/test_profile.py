@@ -712,6 +712,19 @@ def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_pa
         torch.set_num_threads(before)
 
 
+def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_differed(written):
+    # cast to the profile's dtype, the state is the trial's; the load held float32 weights first
+    from autotune.models import build_pipeline
+
+    profile = load_profile(written)  # bfloat16
+    with pytest.warns(UserWarning, match="loaded in float32 and cast to bfloat16: its load may have held more memory"):
+        profile.apply(build_tiny_unconfigured())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.simplefilter("ignore", profile_io.ProfileMismatchWarning)
+        profile.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+
+
 def build_tiny_unconfigured():
     from autotune.models import build_pipeline
 
