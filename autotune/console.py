@@ -27,9 +27,10 @@ PIPED_WIDTH = 160
 
 
 def terminal() -> Console:
-    # No rich markup: what autotune prints holds paths, names and configs in brackets (a file
-    # "[/x].yaml", "[dtype=bfloat16]"), which markup would swallow or fail on.
-    out = Console(stderr=False, highlight=False, soft_wrap=True, markup=False)
+    # No rich markup or emoji codes: what autotune prints holds paths, names and configs in
+    # brackets (a file "[/x].yaml", "[dtype=bfloat16]"), which markup would swallow or fail on,
+    # and a name with ":cross_mark:" in it is a name.
+    out = Console(stderr=False, highlight=False, soft_wrap=True, markup=False, emoji=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:  # COLUMNS: the user's own width wins
         out.width = PIPED_WIDTH
     return out

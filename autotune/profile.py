@@ -25,6 +25,8 @@ from . import fingerprint
 from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
 from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete, conflict, unrunnable
+from .knobs.base import denoiser
+from .knobs.precision import DTYPES
 from .models import FAMILIES, ModelSpec, spec_problem
 from .sizes import format_size, parse_budget, parse_margin
 from .workload import Workload
@@ -310,8 +312,7 @@ class Profile:
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         self._check_runs(config, target)
-        self._hold_threads(target)
-        loaded_in = str(pipe.dtype).removeprefix("torch.")  # read before the config casts it
+        loaded_in = denoiser(pipe).dtype  # read before the config casts it
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
@@ -321,11 +322,15 @@ class Profile:
                 warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
                               "the weights as loaded followed it; this pipeline was loaded before, so its peak "
                               "may exceed the measured one: use profile.load_pipeline()", stacklevel=2)
-        if loaded_in != config["dtype"]:  # the same state once cast, but the load held the other weights
-            warnings.warn(f"this pipeline was loaded in {loaded_in} and cast to {config['dtype']}: its load may "
-                          f"have held more memory than the trial's, which loaded in {config['dtype']} "
-                          f"(from_pretrained(..., torch_dtype=torch.{config['dtype']}), or profile.load_pipeline())",
-                          stacklevel=2)
+        measured_in = DTYPES[config["dtype"]]
+        if loaded_in != measured_in:  # the same dtype once cast, but not the same load
+            name = str(loaded_in).removeprefix("torch.")
+            why = ("its load may have held more memory than the trial's" if loaded_in.itemsize > measured_in.itemsize
+                   else "what its weights lost in the narrower dtype is not restored by the cast")
+            warnings.warn(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}, "
+                          f"which loaded it in {config['dtype']} (from_pretrained(..., torch_dtype=torch."
+                          f"{config['dtype']}), or profile.load_pipeline())", stacklevel=2)
+        self._set_measured_threads(target)
         return pipe
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
@@ -333,15 +338,15 @@ class Profile:
         `budget_bytes` (bytes, or a size such as "6GB") picks it as `choose` does."""
         config, target = self.choose(budget_bytes)["config"], self._target(device)
         self._check_runs(config, target)  # before the build: a full-size model loads for minutes
-        self._hold_threads(target)
+        self._set_measured_threads(target)
         return build_configured(self.model, config, target)
 
-    def _hold_threads(self, target: Target) -> None:
-        """On a CPU, torch's thread count as the trials had it: part of what was measured (2
-        threads against 1 can double a call's latency or halve it), and inductor's CPU kernels
-        keep the count they were compiled with. Capped at the cores usable here, with a warning.
-        On a GPU the trials left torch's default, and so is it left here."""
-        if target.device != "cpu" or not self.threads:
+    def _set_measured_threads(self, target: Target) -> None:
+        """A profile measured on a CPU and served on one: torch's thread count as the trials had
+        it, part of what was measured (1 thread against 2 changed a call's latency several-fold),
+        and inductor's CPU kernels keep the count they were compiled with. Capped at the cores
+        usable here, with a warning. A GPU's trials left torch's default: so is it left here."""
+        if target.device != "cpu" or self.data["machine"]["device"] != "cpu" or not self.threads:
             return
         import torch
 
@@ -352,8 +357,15 @@ class Profile:
         torch.set_num_threads(threads)
 
     def _check_runs(self, config: dict, target: Target) -> None:
-        """ProfileError naming each choice that cannot run here, with its reason: else the first one
-        met fails inside diffusers, torchao or accelerate with a message that names none of them."""
+        """ProfileError naming each choice that cannot run here, with its reason, or the rule the
+        combination breaks: else the first one met fails inside diffusers, torchao or accelerate
+        with a message that names none of them. A study measures no such combination; a file
+        edited by hand, or measured before the rule was made, holds one (the profile still reads:
+        show, report and --warm-start take it)."""
+        why = conflict(complete(config), self.model.family)
+        if why:
+            raise ProfileError(f"this profile's configuration is a combination autotune rules out ({why}); "
+                               "tune again, or pick another point with budget_bytes")
         reasons = unrunnable(config, target)
         if reasons:
             measured = self.data["machine"]
@@ -428,7 +440,7 @@ def _check_measurement(measured: dict, path) -> None:
                            f"(0.05 for 5%) or null, not {spread!r:.40}")
 
 
-def _check_point(point, where: str, path, family: str) -> None:
+def _check_point(point, where: str, path) -> None:
     if not isinstance(point, dict):
         raise ProfileError(f"profile {path}: {where} must be a mapping (a measured point), not {point!r:.40}")
     missing = [k for k in POINT_KEYS if k not in point]
@@ -448,12 +460,9 @@ def _check_point(point, where: str, path, family: str) -> None:
         raise ProfileError(f"profile {path}: {where}.latencies_s must be a list of numbers or null, "
                            f"not {latencies!r:.40}")
     try:
-        full = complete(point["config"])
+        complete(point["config"])
     except ValueError as exc:
         raise ProfileError(f"profile {path}: {where}.config: {exc}") from None
-    why = conflict(full, family)  # what no study measures: an edited file, or a rule made since
-    if why:
-        raise ProfileError(f"profile {path}: {where}.config is a combination autotune rules out: {why}")
 
 
 def validate(data, path) -> None:
@@ -496,12 +505,11 @@ def validate(data, path) -> None:
     problem = spec_problem(data["model"])
     if problem:
         raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")
-    family = data["model"]["family"]  # the conflict rules of some knobs hold for some families
-    _check_point(data["best"], "best", path, family)
+    _check_point(data["best"], "best", path)
     if data.get("baseline") is not None:
-        _check_point(data["baseline"], "baseline", path, family)
+        _check_point(data["baseline"], "baseline", path)
     for i, point in enumerate(data["pareto"]):
-        _check_point(point, f"pareto[{i}]", path, family)
+        _check_point(point, f"pareto[{i}]", path)
     _check_measurement(data.get("measurement") or {}, path)
     for key in ("name", "storage"):  # read by reports to find the study's trials
         value = data["study"].get(key)

@@ -186,6 +186,10 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         getattr(diffusers, spec.pipeline_class)
         result["import_s"] = time.perf_counter() - started
         t_start = time.perf_counter()
+        if device.startswith("cuda:"):
+            # cuda:N the current device, as a serving process on that GPU would have it: diffusers'
+            # group-offload hooks wait on, and record their copies against, the current device's stream
+            torch.cuda.set_device(device)
         if request["profile"]:
             # `autotune verify`: exactly what production runs.
             from .profile import load_profile

@@ -71,7 +71,7 @@ tune)
     timeout -k 20 -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
         --confirm 0 --trial-timeout 100 --timeout 100 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
         2>&1 | tee "$out/tune.log"
-    [ -f "$out/sdxl-12GB.yaml" ] && timeout -k 20 -s INT 150 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 140 \
+    [ -f "$out/sdxl-12GB.yaml" ] && timeout -k 20 -s INT 130 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 120 \
         2>&1 | tee "$out/verify.log"
     rm -rf "$out/work/trials" "$out/work/compile-cache"  # images and caches: too large to bring back
     ;;

@@ -267,9 +267,6 @@ def edit(path, change):
          "uses the tag !!python/object/apply:os.getpid at line 1, which safe loading refuses"),
         # a key YAML reads as a number: a TypeError from the message's join, where it was said
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "1: true", 1)), "unknown knob(s): 1"),
-        # edited into a combination no study measures: it replayed to "'NoneType' object is not callable"
-        (lambda p: edit(p, lambda d: d["pareto"][0]["config"].update(fuse_qkv=True)),
-         "pareto[0].config is a combination autotune rules out: attention slicing replaces the fused"),
         (lambda p: edit(p, lambda d: d["budget"].update(margin="99GB")),
          "budget.margin 99GB leaves nothing of the budget (4.00 GiB)"),
     ],
@@ -634,14 +631,14 @@ def test_names_in_brackets_are_shown_as_they_are(tmp_path):
     """rich read "[/x]" in a path or a name as a closing tag: `show` of a file in a folder named
     "[" ended in a MarkupError traceback, and "[red]" vanished from what it printed."""
     doc = document()
-    doc["machine"]["name"] = "[/bold] box"
+    doc["machine"]["name"] = "[/bold] box :cross_mark:"  # an emoji code is text too
     doc["study"]["name"] = "[red]s"
     (tmp_path / "[").mkdir()
     (tmp_path / "[" / "x].yaml").write_text(yaml.safe_dump(doc))
     proc = run_cli("show", "[/x].yaml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "profile [/x].yaml" in proc.stdout and "study: [red]s" in proc.stdout
-    assert "[/bold] box" in proc.stdout + proc.stderr  # the machine, named where it differs from this one
+    assert "[/bold] box :cross_mark:" in proc.stdout + proc.stderr  # the machine, named where it differs
 
 
 def test_a_failed_replay_shows_no_replayed_figures(written):
@@ -717,12 +714,26 @@ def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_
     from autotune.models import build_pipeline
 
     profile = load_profile(written)  # bfloat16
-    with pytest.warns(UserWarning, match="loaded in float32 and cast to bfloat16: its load may have held more memory"):
+    with pytest.warns(UserWarning, match="denoiser was loaded in float32 and cast to bfloat16: its load may have "
+                                         "held more memory"):
         profile.apply(build_tiny_unconfigured())
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.simplefilter("ignore", profile_io.ProfileMismatchWarning)
         profile.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+
+
+def test_a_combination_a_rule_forbids_reads_but_is_not_built(written):
+    """Edited into fuse_qkv + attention slicing (or measured before a rule was made), a profile's
+    replay failed with "'NoneType' object is not callable". It still reads (show, report and
+    --warm-start take it), and building it names the rule."""
+    edit(written, lambda d: d["best"]["config"].update(fuse_qkv=True, attention="sliced"))
+    profile = load_profile(written)
+    for attempt in (profile.load_pipeline, lambda: profile.apply(build_tiny_unconfigured())):
+        with pytest.raises(ProfileError, match=r"a combination autotune rules out \(attention slicing replaces "
+                                               r"the fused attention processors, undoing fuse_qkv\); tune again"):
+            attempt()
+    assert profile.choose("2GB")["trial"] == 5  # the front's other point builds
 
 
 def build_tiny_unconfigured():
