@@ -50,7 +50,9 @@ def _point(record, budget_bytes: int) -> dict:
         # with confirmations: the median over the config's trials and the highest peak of any
         "latency_s": record.latency_s,
         "latencies_s": record.latencies_s if record.confirmations else None,
-        "p90_s": record.p90_s,  # with confirmations: the highest of its trials' p90s
+        # those of trials no busy neighbour slowed, whose spread `choose` judges noise by
+        "quiet_latencies_s": record.quiet_latencies_s if record.confirmations else None,
+        "p90_s": record.p90_s,  # with confirmations: the highest of its quiet trials' p90s
         "calls": r.get("calls"),
         "peak_memory_bytes": record.peak_memory_bytes,
         "headroom_bytes": budget_bytes - record.peak_memory_bytes,  # left under the budget
@@ -59,9 +61,10 @@ def _point(record, budget_bytes: int) -> dict:
         "torch_peak_reserved_bytes": r.get("torch_peak_reserved_bytes"),
         "nvml_sampled_peak_bytes": r.get("nvml_sampled_peak_bytes"),  # on a GPU: what polling saw
         "host_peak_rss_bytes": r.get("host_peak_rss_bytes"),
-        "cold_start_s": r.get("cold_start_s"),
-        "per_step_s": r.get("per_step_s"),
-        "spread": r.get("spread"),
+        # with confirmations: medians over its quiet trials (TrialRecord.quiet_trials), as its latency
+        "cold_start_s": record.across_trials("cold_start_s"),
+        "per_step_s": record.latency_s * r["per_step_s"] / r["latency_s"] if r.get("per_step_s") else None,
+        "spread": record.across_trials("spread"),
         "cut_short": r.get("cut_short"),  # timed from its warm-up: far slower than the best then
         "quality": r.get("quality"),  # PSNR / SSIM against the study's float32 reference
         "image": r.get("image"),
@@ -390,7 +393,7 @@ def _pick_for_budget(points: list[dict]) -> dict:
     if not fastest.get("latencies_s"):
         return fastest
     return simplest_within_noise([p for p in points if p.get("latencies_s")], lambda p: p["latency_s"],
-                                 lambda p: p["latencies_s"], lambda p: p["config"])
+                                 lambda p: p.get("quiet_latencies_s") or p["latencies_s"], lambda p: p["config"])
 
 
 def _device_here(device: str) -> bool:
@@ -454,11 +457,12 @@ def _check_point(point, where: str, path) -> None:
     for key in OPTIONAL_POINT_NUMBERS:
         if point.get(key) is not None and not _is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
-    latencies = point.get("latencies_s")  # a confirmed point's trial medians, read by `choose`
-    if latencies is not None and not (isinstance(latencies, list) and latencies
-                                      and all(_is_number(v) for v in latencies)):
-        raise ProfileError(f"profile {path}: {where}.latencies_s must be a list of numbers or null, "
-                           f"not {latencies!r:.40}")
+    for key in ("latencies_s", "quiet_latencies_s"):  # a confirmed point's trial medians, read by `choose`
+        latencies = point.get(key)
+        if latencies is not None and not (isinstance(latencies, list) and latencies
+                                          and all(_is_number(v) for v in latencies)):
+            raise ProfileError(f"profile {path}: {where}.{key} must be a list of numbers or null, "
+                               f"not {latencies!r:.40}")
     try:
         complete(point["config"])
     except ValueError as exc:

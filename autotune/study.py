@@ -149,12 +149,35 @@ class TrialRecord:
             return self.result.get("latency_s")
         return statistics.median(self.latencies_s)
 
+    def quiet_trials(self) -> list[dict]:
+        """Its trials that measured (the first, then its confirmations) and ran without other
+        processes taking cores from them (measure.busy_cores); all that measured where fewer than
+        two ran so. What its spread, p90 and cold start are read from: one trial timed beside a
+        busy neighbour (14 s p90 against a 0.2 s median, in a shared study on 2 cores) is not the
+        config's own spread."""
+        measured = [t for t in [self.result, *self.confirmations]
+                    if t.get("latency_s") is not None and t.get("status", worker.OK) == worker.OK]
+        quiet = [t for t in measured if busy_cores(t) is None]
+        return quiet if len(quiet) >= 2 else measured
+
+    @property
+    def quiet_latencies_s(self) -> list[float]:
+        """The medians of quiet_trials: the spread study.choose_best judges noise by."""
+        return [t["latency_s"] for t in self.quiet_trials()]
+
     @property
     def p90_s(self) -> float | None:
-        """The trial's p90 of its calls, or with confirmations the highest of its trials' p90s
-        (never below their median of medians, as one trial's p90 could be)."""
-        p90s = [x for x in [self.result.get("p90_s"), *(c.get("p90_s") for c in self.confirmations)] if x]
-        return max(p90s) if p90s else None
+        """The trial's p90 of its calls, or with confirmations the highest of its quiet trials'
+        p90s (never below their median of medians, as one trial's p90 could be)."""
+        p90s = [t["p90_s"] for t in self.quiet_trials() if t.get("p90_s")]
+        return max(p90s) if p90s else self.result.get("p90_s")
+
+    def across_trials(self, key: str) -> float | None:
+        """A per-trial figure (cold_start_s, spread) of a config measured again: the median over
+        its quiet trials that recorded it (confirmations before 2026-11-25 did not); else the
+        first trial's."""
+        values = [t[key] for t in self.quiet_trials() if t.get(key) is not None] if self.confirmations else []
+        return statistics.median(values) if values else self.result.get(key)
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -1074,8 +1097,8 @@ def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | 
 
     Without confirmations: the lowest latency. With them: the confirmed config with the lowest
     median, unless a confirmed config that changes fewer knobs from the default has a median no
-    higher than that config's slowest trial; then the one that changes fewest (then the lowest
-    median). A difference inside the fastest config's own spread is not evidence, and each knob
+    higher than that config's slowest trial (of its quiet ones: TrialRecord.quiet_trials); then
+    the one that changes fewest (then the lowest median). A difference inside the fastest config's own spread is not evidence, and each knob
     set has costs of its own (cold start, one more thing a driver or library update can break).
     This is the one-standard-error rule of model selection, with the observed range in place of
     a standard error: on this project's 2-core VMs the trials of one config drifted by up to 36%,
@@ -1085,13 +1108,15 @@ def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | 
     fastest = min(confirmed or feasible, key=lambda r: r.latency_s, default=None)
     if not confirmed:
         return fastest, None
-    pick = simplest_within_noise(confirmed, lambda r: r.latency_s, lambda r: r.latencies_s, lambda r: r.config)
+    # the spread of its quiet trials: a trial timed beside busy neighbours widened it to 3x the
+    # median, and kept the float32 default over a config faster in both of its quiet trials
+    pick = simplest_within_noise(confirmed, lambda r: r.latency_s, lambda r: r.quiet_latencies_s, lambda r: r.config)
     if pick is fastest:
         return pick, None
     return pick, (
         f"kept trial {pick.number} ({_knobs_changed(pick.config)}, median {pick.latency_s:.3f} s) "
         f"over trial {fastest.number} ({_knobs_changed(fastest.config)}, median {fastest.latency_s:.3f} s, "
-        f"slowest trial {max(fastest.latencies_s):.3f} s): the difference is within the faster one's own spread"
+        f"slowest trial {max(fastest.quiet_latencies_s):.3f} s): the difference is within the faster one's own spread"
     )
 
 
@@ -1160,6 +1185,8 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             **({worker.OUT_OF_MEMORY_ON: result[worker.OUT_OF_MEMORY_ON]} if worker.OUT_OF_MEMORY_ON in result else {}),
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
             "cores_taken_by_others": result.get("cores_taken_by_others"),
+            "cold_start_s": result.get("cold_start_s"),  # a profile's figures come from quiet trials
+            "spread": result.get("spread"),
         }
         confirmed = study.user_attrs.get(CONFIRMATIONS, {})
         confirmed.setdefault(str(record.number), []).append(entry)

@@ -1159,3 +1159,34 @@ def test_a_worker_proposed_a_config_another_is_measuring_waits_for_it_instead_of
     # repeats of the config measured by then did
     assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
     assert sum(1 for t in trials if "duplicate_of" in t.user_attrs) == 3
+
+
+def test_a_trial_slowed_by_busy_neighbours_does_not_widen_a_configs_spread(tmp_path):
+    """In a shared study on 2 cores, bfloat16's first trial ran beside the other worker's (1.0
+    core taken, 0.516 s, p90 14 s) and its two quiet confirmations took 0.164 and 0.174 s; the
+    default's quiet trials took 0.197 and 0.207 s. The disturbed trial made bfloat16's spread look
+    like 3x its median: the default was kept as 'within noise', and the profile's p90 said 14 s."""
+    from autotune import profile as profile_io
+    from autotune.space import config_key
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    base, bf16 = config_key(baseline()), config_key({**baseline(), "dtype": "bfloat16"})
+    series = {base: [(5.879, 1.0), (0.197, 0.0), (0.207, 0.0)], bf16: [(0.516, 1.0), (0.164, 0.0), (0.174, 0.0)]}
+    seen = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        key = config_key(req["config"])
+        n = sum(k == key for k in seen)
+        seen.append(key)
+        latency, taken = series[key][min(n, 2)]
+        return {"status": "ok", "latency_s": latency, "p90_s": latency * (28 if taken else 1.1),
+                "cold_start_s": 10.3 if taken else 0.3, "spread": 2.36 if taken else 0.02,
+                "cores_taken_by_others": taken, "peak_memory_bytes": 500 * MiB}
+
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    assert outcome.best.config["dtype"] == "bfloat16" and outcome.choice_note is None
+    assert outcome.best.quiet_latencies_s == [0.164, 0.174]
+    point = profile_io._point(outcome.best, 1000 * MiB)
+    assert point["p90_s"] == pytest.approx(0.174 * 1.1) and point["cold_start_s"] == pytest.approx(0.3)
+    assert point["spread"] == pytest.approx(0.02) and point["latencies_s"] == [0.516, 0.164, 0.174]
+    assert point["per_step_s"] is None  # the made-up measure gives none; a real trial's is scaled
