@@ -899,7 +899,9 @@ def plot_timeline(studies: list[StudyData]):
             ax.text(0, row, "  no trials here (a profile without its study)", va="center", fontsize=8)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=CLASS_COLORS[k], label=f"{k} ({total[k]})") for k in CLASS_COLORS if k in total]
+    # a study's confirmation phase is one bar, however many trials it measured
+    names = {"confirmation": "confirmation phase"}
+    handles = [Patch(color=CLASS_COLORS[k], label=f"{names.get(k, k)} ({total[k]})") for k in CLASS_COLORS if k in total]
     if cut:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label=f"cut: run killed, end unknown ({cut})"))

@@ -330,7 +330,7 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     assert spans[4] == ("confirmation", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
     fig = report.plot_timeline([data])
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 6 trials, 2 failed
-    assert "confirmation (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "confirmation phase (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
 def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path):

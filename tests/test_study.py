@@ -1190,3 +1190,21 @@ def test_a_trial_slowed_by_busy_neighbours_does_not_widen_a_configs_spread(tmp_p
     assert point["p90_s"] == pytest.approx(0.174 * 1.1) and point["cold_start_s"] == pytest.approx(0.3)
     assert point["spread"] == pytest.approx(0.02) and point["latencies_s"] == [0.516, 0.164, 0.174]
     assert point["per_step_s"] is None  # the made-up measure gives none; a real trial's is scaled
+
+
+def test_the_summary_says_how_many_trials_that_ran_were_over_the_budget(tmp_path):
+    # "trials measured: 3 (ok 3)" where one of the three peaked over the budget and could not be
+    # picked: the status says only that a trial ran
+    import io
+
+    from rich.console import Console
+
+    from autotune import console
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    peak = lambda config, n: 1200 * MiB if config["dtype"] == "float16" else 500 * MiB  # noqa: E731
+    measure, _ = drifting_measure({}, peak_of=peak)
+    outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0), measure=measure)
+    text = io.StringIO()
+    console.print_summary(Console(markup=False, file=text, width=200), outcome, 1000 * MiB, 0)
+    assert "trials measured: 3 (ok 3; of those 1 over the budget)" in text.getvalue()
