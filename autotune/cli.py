@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import threading
 from pathlib import Path
@@ -690,7 +691,9 @@ def _write_profile(out, request, outcome, output: Path) -> int:
     except AutotuneError as exc:  # checked before the search, yet the file can go bad meanwhile
         raise AutotuneError(f"{exc}; the measured trials are kept: autotune export --study-name "
                             f"{request.study_name} --storage {display_url(request.storage)} -o OTHER.yaml") from None
-    out.print(f"profile written: {path}  (load it with autotune.load_profile({str(path)!r}))")
+    shown = shlex.quote(str(path))
+    out.print(f"profile written: {path}  (autotune show {shown} reads it, autotune verify {shown} replays it; "
+              f"serve it with autotune.load_profile({str(path)!r}))")
     return 0
 
 
