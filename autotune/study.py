@@ -664,8 +664,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
             on_step: Callable[[str], None] | None = None) -> optuna.Study:
     """Open (or create) the study and set it up once: the device model it holds, the request,
     the first configs to measure, and the quality guard. Workers joining it later find it ready.
-    `on_step` hears of the reference calls before they start (minutes for a full-size model on a
-    CPU, before any trial is reported)."""
+    `on_step` hears of the warm start, and of the reference calls before they start (minutes for
+    a full-size model on a CPU, before any trial is reported)."""
     on_step = on_step or (lambda text: None)
     measure = measure or measure_in_child(req)
     study, created = open_study(req.storage, req.study_name, req.seed)
@@ -681,6 +681,12 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
             study.set_user_attr("machine", req.machine)
     _refuse_another_request(study, _request_attr(req))
     study.set_user_attr("request", _request_attr(req))
+    if not created:  # a resume, or a worker joining: said before anything is measured
+        kept = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if "result" in t.user_attrs and t.user_attrs.get("duplicate_of") is None)
+        on_step(f"study {req.study_name} exists in this storage: " + (
+            f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
+            else "no trial measured yet, the search starts there"))
     space = req.space
     if created:
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
@@ -689,6 +695,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     warm = space.fit(req.warm_start)
     for config in warm:
         study.enqueue_trial(space.params(config), user_attrs={"warm_start": True}, skip_if_exists=True)
+    if req.warm_start:  # said: nothing else on the console tells a warm-started trial apart
+        left = len(req.warm_start) - len(warm)
+        on_step(f"warm start: {count(len(warm), 'config')} of the earlier front measured first, after the "
+                "baseline (unless measured already)" + (f"; {left} left out: the baseline, forbidden here, "
+                                                         "or the same once reduced to this space" if left else ""))
 
     guard = study.user_attrs.get("quality_guard")
     # The seeds are queued once per study, by the run that finds them not queued yet: the one that

@@ -370,6 +370,7 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     proc = cli(*args, "--trials", "4")
     assert proc.returncode == 0, proc.stderr
     assert len(study_trials(tmp_path)) == 4
+    assert re.search(r"study \S+ exists in this storage: its 3 measured trials kept, the search goes on", proc.stdout)
 
     shown = cli("show", "tiny-sd15-8GB.yaml")
     assert shown.returncode == 0 and "feasible Pareto front" in shown.stdout

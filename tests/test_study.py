@@ -160,9 +160,15 @@ def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_pa
     front = [{"dtype": "float16", "channels_last": True, "offload": "model"}]  # offload: not in this space
     space = SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}])
     measure, measured = fake_measure(lambda c: 1.0)
-    study.tune(request(space, tmp_path, trials=3, warm_start=front), measure=measure)
+    said = []
+    study.tune(request(space, tmp_path, trials=3, warm_start=front + [{"dtype": "float32"}]), measure=measure,
+               on_step=said.append)
     assert measured[2:5] == [baseline(), {**baseline(), "dtype": "float16", "channels_last": True},
                              {**baseline(), "dtype": "bfloat16"}]  # after the precision probe's two calls
+    # the console said so (a warm-started trial's line looks like any other)
+    assert said[0] == ("warm start: 1 config of the earlier front measured first, after the baseline (unless "
+                       "measured already); 1 left out: the baseline, forbidden here, or the same once reduced "
+                       "to this space")
 
 
 def test_a_study_refuses_a_worker_on_another_device_model(tmp_path):
