@@ -868,6 +868,10 @@ def _export(argv: list[str]) -> int:
     reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
     outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
+    from .sizes import format_size
+
+    out.print(f"study {args.study_name} in {display_url(storage)}: {request.spec.name}, "
+              f"{request.target.device}, budget {format_size(request.budget_bytes)}")
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
     if pending:
         out.print(f"warning: study {args.study_name} is not finished ({pending}): the profile holds the trials "

@@ -635,6 +635,7 @@ def test_workdir_holds_the_trials_the_compile_cache_and_the_default_storage(cli,
     (study,) = [d.name for d in (work / "trials").iterdir()]
     proc = cli("export", "--study-name", study, "--workdir", work, "-o", "again.yaml")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"study {study} in sqlite:///"), proc.stdout  # which study, before its summary
     assert (tmp_path / "again.yaml").is_file() and not (tmp_path / "autotune-studies").exists()
 
 
