@@ -1214,3 +1214,5 @@ def test_the_summary_says_how_many_trials_that_ran_were_over_the_budget(tmp_path
     text = io.StringIO()
     console.print_summary(Console(markup=False, file=text, width=200), outcome, 1000 * MiB, 0)
     assert "trials measured: 3 (ok 3; of those 1 over the budget)" in text.getvalue()
+    # one point on the front (all ran in 2 s, in 500 MiB): said too, not left out
+    assert "feasible Pareto front (memory -> latency): 500.00 MiB -> 2.000 s\n" in text.getvalue()
