@@ -403,6 +403,8 @@ def _device_here(device: str) -> bool:
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     """Read and validate a profile; warn (ProfileMismatchWarning) when this machine or its
     library versions differ from those it was measured on."""
+    if not str(path).strip():  # Path("") is the current folder: "profile .: Is a directory"
+        raise ProfileError("profile path is empty: give the file autotune wrote")
     path = Path(path)
     data = read_yaml(path, "profile", ProfileError, hint=" (corrupt or truncated?)")  # autotune wrote it
     validate(data, path)

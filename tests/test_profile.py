@@ -253,6 +253,11 @@ def edit(path, change):
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def test_an_empty_profile_path_is_named_so():
+    with pytest.raises(ProfileError, match="^profile path is empty: give the file autotune wrote$"):
+        load_profile("")
+
+
 @pytest.mark.parametrize(
     "mangle, message",
     [
