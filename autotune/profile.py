@@ -271,7 +271,8 @@ class Profile:
         (bytes, or a size such as "6GB"; or none is given): the study's pick, which may be a
         simpler config than a front point with a lower median that its trials did not back
         (study.choose_best). Else the best front point that fits (`_pick_for_budget`);
-        ProfileError when none does, or when the budget is not a positive size."""
+        ProfileError when none does, or when the budget is not a positive size. The point as
+        recorded: its headroom_bytes is what it left under the profile's own budget."""
         if budget_bytes is None:
             return self.best
         budget_bytes = self._budget(budget_bytes)
