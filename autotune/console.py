@@ -289,7 +289,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
             configs.append(f"{label}: {rec.status if rec else 'not measured'}")
             continue
         speedup = f"{base.latency_s / rec.latency_s:.2f}x" if base and base.latency_s else "-"
-        cold = rec.result.get("cold_start_s")
+        cold = rec.across_trials("cold_start_s")  # as the profile records it
         p90 = rec.p90_s
         table.add_row(
             label, f"{rec.latency_s:.3f} s", f"{p90:.3f} s" if p90 else "-",

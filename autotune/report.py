@@ -29,6 +29,7 @@ from pathlib import Path
 from .choice import pareto_front
 from .console import count, counts_text
 from .errors import AutotuneError, os_reason
+from .sizes import smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
                        display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
 from .worker import ran_out_of_budgeted_memory, ran_out_of_host_memory
@@ -54,9 +55,14 @@ CLASS_COLORS = {
     "forbidden": "#dbdb8d",
     "confirmation": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
 }
-NOT_MEASURED = ("duplicate", "forbidden", "confirmation")  # timeline bars that are not the search's trials
+# How a class is said in the legend and the overview: "ok" beside "ok 16" on the console (every
+# trial that ran) would read as the same count; a study's confirmation phase is one bar.
+CLASS_NAMES = {"ok": "ran and fits", "confirmation": "confirmation phase"}
+# timeline bars that are not the search's measurements: an interrupted trial's config is queued
+# again and measured in a later trial
+NOT_MEASURED = ("duplicate", "forbidden", "confirmation", "interrupted")
 FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
-            "crashed", "interrupted")
+            "crashed")
 
 
 class ReportError(AutotuneError):
@@ -98,7 +104,8 @@ class StudyData:
     workload: dict
     device: str
     budget_bytes: int | None
-    margin_bytes: int = 0
+    margin_bytes: int = 0  # at the study's own budget
+    margin: str = "0"  # as given (5%, 512MB): at another budget a share is another size
     points: list[Point] = field(default_factory=list)  # measured trials (no duplicates)
     front: list[Point] = field(default_factory=list)  # feasible Pareto front, by memory
     best: Point | None = None
@@ -186,8 +193,8 @@ def trial_class(frozen) -> str | None:
     if result["status"] == "ok":
         if attrs.get("violation", 0) <= 0:
             return "ok"
-        quality_only = attrs.get("violations", {}).get("memory", 0) <= 0
-        return "low quality" if quality_only else "over budget"
+        violations = attrs.get("violations")  # a trial of an autotune before the guard had none: memory
+        return "low quality" if violations is not None and violations.get("memory", 0) <= 0 else "over budget"
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 
@@ -287,7 +294,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         label=label or "", name=name, storage=url, model=request.get("model", {}),
         workload=request.get("workload", {}), device=request.get("device", "?"),
         budget_bytes=request.get("budget_bytes"), margin_bytes=request.get("margin_bytes") or 0,
-        points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
+        margin=str(request.get("margin") or "0"), points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
         best=_point(outcome.best) if outcome.best else None,
         baseline=_point(outcome.baseline) if outcome.baseline else None,
         timeline=_timeline(trials),
@@ -317,7 +324,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         label=label or "", name=study.get("name") or path.stem, storage=None,
         model=d["model"], workload=d["workload"], device=d["machine"].get("device", "?"),
         budget_bytes=d["budget"]["memory_bytes"], margin_bytes=d["budget"].get("margin_bytes") or 0,
-        front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
+        margin=profile.margin, front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
         baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
     )
     candidates = _storage_candidates(study.get("storage"), path.parent)
@@ -502,9 +509,16 @@ def memory_unit(values) -> tuple[str, int]:
     return ("GiB", 2**30) if top >= 2 * 2**30 else ("MiB", 2**20)
 
 
+def fits_from(study: StudyData, point: Point) -> int:
+    """The smallest budget at which `point` fits: its peak and the study's margin at that budget
+    (a share of it, or a size), as a profile's fits() judges."""
+    return smallest_budget(point.peak_memory_bytes, study.margin)
+
+
 def best_under(study: StudyData, budget_bytes: int) -> Point | None:
-    """The fastest feasible measured point whose peak fits `budget_bytes`."""
-    fitting = [p for p in study.front if p.peak_memory_bytes <= budget_bytes]
+    """The fastest feasible measured point that fits `budget_bytes` with the study's margin (the
+    fastest measured: a profile's choose() may keep a simpler one within noise)."""
+    fitting = [p for p in study.front if fits_from(study, p) <= budget_bytes]
     return min(fitting, key=lambda p: p.latency_s, default=None)
 
 
@@ -721,8 +735,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     fig = _figure(12, 5)  # wide: the legend stands beside the axes
     ax = fig.add_subplot()
 
-    def needs(s: StudyData, p: Point) -> int:  # the budget at which p fits: its peak and the margin
-        return p.peak_memory_bytes + s.margin_bytes
+    needs = fits_from
 
     top = max([needs(s, p) for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
     shown = [s.budget_bytes for s in studies if s.budget_bytes and s.budget_bytes <= 1.5 * top]
@@ -759,7 +772,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
     _annotate_apart(ax, labels)
-    ax.set_title("Best latency against budget (dotted: measured over the budget)")
+    ax.set_title("Fastest measured latency against budget (dotted: measured over the budget)")
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn
         _legend_beside(ax)
@@ -899,9 +912,8 @@ def plot_timeline(studies: list[StudyData]):
             ax.text(0, row, "  no trials here (a profile without its study)", va="center", fontsize=8)
     from matplotlib.patches import Patch
 
-    # a study's confirmation phase is one bar, however many trials it measured
-    names = {"confirmation": "confirmation phase"}
-    handles = [Patch(color=CLASS_COLORS[k], label=f"{names.get(k, k)} ({total[k]})") for k in CLASS_COLORS if k in total]
+    handles = [Patch(color=CLASS_COLORS[k], label=f"{CLASS_NAMES.get(k, k)} ({total[k]})")
+               for k in CLASS_COLORS if k in total]
     if cut:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label=f"cut: run killed, end unknown ({cut})"))
@@ -971,7 +983,7 @@ def overview_html(studies: list[StudyData]) -> str:
     """What was loaded: one line per study, and the notes (missing storages, too few trials)."""
     items = []
     for s in studies:
-        counts = ", ".join(f"{k} {n}" for k, n in sorted(s.counts.items())) or "no trials"
+        counts = ", ".join(f"{CLASS_NAMES.get(k, k)} {n}" for k, n in sorted(s.counts.items())) or "no trials"
         where = display_url(s.storage) if s.storage else "no storage"  # never a password
         items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "
                      f"{html.escape(where)} ({s.source}); {html.escape(counts)}</li>")

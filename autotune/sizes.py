@@ -6,6 +6,7 @@ torch report it: an "8GB" card holds 8 GiB.
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -62,6 +63,25 @@ def parse_margin(text: str, budget: int) -> int:
         return parse_size(text)
     except ValueError:
         raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
+
+
+def smallest_budget(peak: int, margin: str) -> int:
+    """The smallest budget a peak fits with `margin` (parse_margin's text) kept free: the peak
+    plus the margin for a size; for a share of the budget, the budget whose share leaves the
+    peak room (5%: peak / 0.95), as a profile's fits() judges it at each budget."""
+    text = str(margin).strip()
+    if not text.endswith("%"):
+        return peak + parse_margin(text, peak)
+    def fits(budget: int) -> bool:
+        return peak + parse_margin(text, budget) <= budget
+
+    budget = math.ceil(peak / (1 - float(text[:-1]) / 100))
+    # parse_margin rounds the share down to whole bytes: the exact answer is a step or two away
+    while not fits(budget):
+        budget += 1
+    while budget > peak and fits(budget - 1):
+        budget -= 1
+    return budget
 
 
 def format_size(size: int | None) -> str:

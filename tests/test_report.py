@@ -18,6 +18,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from autotune.sizes import smallest_budget
 from helpers import run_cli
 
 SPACE = "knobs:\n  dtype: [float32, bfloat16]\n  channels_last: [false, true]\n  attention: [sdpa, sliced]\n"
@@ -88,7 +89,7 @@ def expected(url, name):
     ok = [t for t in measured if t.user_attrs["result"]["status"] == "ok"]
     return {
         "budget": study.user_attrs["request"]["budget_bytes"],
-        "margin": study.user_attrs["request"].get("margin_bytes") or 0,
+        "margin": study.user_attrs["request"]["margin"],  # "5%": a share of each budget
         "front": front,
         "timeline": timeline,
         "ok_trials": len(ok),
@@ -164,8 +165,10 @@ def test_the_notebook_runs_on_two_studies_and_its_charts_hold_their_data(studies
             assert ys == pytest.approx([lat for _, lat in exp["front"]])
             cx, cy = drawn["best_vs_budget"][f"budget-curve:{label}"]
             bscale = unit_of(drawn["best_vs_budget"]["xlabels"][0])
-            # each step where its config fits: its peak and the study's margin
-            assert cx[:-1] == pytest.approx([(m + exp["margin"]) / bscale for m, _ in exp["front"]])
+            # each step where its config fits: its peak and the study's margin at that budget
+            # (5% of it, not of the study's budget: as a profile's fits() judges)
+            assert cx[:-1] == pytest.approx([smallest_budget(m, exp["margin"]) / bscale for m, _ in exp["front"]])
+            assert all(m + 0.05 * x * bscale <= x * bscale + 1 for (m, _), x in zip(exp["front"], cx))
             assert cy[:-1] == pytest.approx([lat for _, lat in exp["front"]])
             assert f"speedup:{label}" in drawn["speedups"]
         else:
@@ -325,11 +328,18 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
                                      state=TrialState.FAIL, user_attrs={"duplicate_of_running": 1})
     twin.datetime_start = twin.datetime_complete = t0 + timedelta(seconds=12)
     study.add_trial(twin)
+    # a trial stopped by Ctrl-C: it measured nothing, and its config was queued again
+    stopped = optuna.trial.create_trial(params={"dtype": "bfloat16"}, distributions=study.trials[1].distributions,
+                                        state=TrialState.FAIL, user_attrs={})
+    stopped.datetime_start, stopped.datetime_complete = t0 + timedelta(seconds=30), t0 + timedelta(seconds=35)
+    study.add_trial(stopped)
     (data,) = report.load(f"synthetic@{url}")
     spans = {sp.trial: (sp.kind, sp.start_s, sp.end_s) for sp in data.timeline}
     assert spans[4] == ("confirmation", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
+    assert spans[7][0] == "interrupted"
     fig = report.plot_timeline([data])
-    assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")  # not 6 trials, 2 failed
+    # not 7 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
+    assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
     assert "confirmation phase (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
@@ -356,8 +366,8 @@ def cpu_study(label, budget_bytes, margin_bytes, points, front, best):
 
     baseline = next(p for p in points if p.baseline)
     return report.StudyData(label=label, name=label, storage=None, model={}, workload={}, device="cpu",
-                            budget_bytes=budget_bytes, margin_bytes=margin_bytes, points=points, front=front,
-                            best=best, baseline=baseline)
+                            budget_bytes=budget_bytes, margin_bytes=margin_bytes, margin=f"{margin_bytes}B",
+                            points=points, front=front, best=best, baseline=baseline)
 
 
 def test_best_vs_budget_keeps_a_narrow_front_readable():

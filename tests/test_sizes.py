@@ -84,3 +84,15 @@ def test_a_budget_needs_its_unit():
         parse_budget("8")
     with pytest.raises(ValueError, match="'2000' has no unit: did you mean 2000MB"):  # not 2000GB
         parse_budget("2000")
+
+
+@pytest.mark.parametrize("peak, margin", [(733 * 2**20, "5%"), (123456789, "12.5%"), (10**9, "512MB"), (10**9, "0"),
+                                          (1, "5%")])
+def test_the_smallest_budget_a_peak_fits_is_the_one_the_margin_rule_admits(peak, margin):
+    # the report's best-vs-budget chart drew a config as fitting from its peak plus 5% of the
+    # study's own budget; a profile judges 5% of the budget asked (Profile.fits)
+    from autotune.sizes import parse_margin, smallest_budget
+
+    budget = smallest_budget(peak, margin)
+    assert peak + parse_margin(margin, budget) <= budget
+    assert peak + parse_margin(margin, budget - 1) > budget - 1
