@@ -832,8 +832,10 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 def _export(argv: list[str]) -> int:
     """Write the profile of a stored study, from any machine that reaches its storage."""
     from . import console
-    from .study import request_of, summarize, unfinished
     from .errors import AutotuneError
+    from .profile import check_writable
+    from .sizes import format_size
+    from .study import request_of, summarize, unfinished
     import optuna
 
     p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
@@ -847,8 +849,6 @@ def _export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     storage = args.storage or default_storage(args.workdir)
     if args.output:  # before the summary is printed: a path that takes no file is the one line
-        from .profile import check_writable
-
         _check_not_the_storage(args.output, storage)
         check_writable(args.output)
     check_file(storage, must_exist=False)  # not a URL, a folder: said as they are
@@ -868,8 +868,6 @@ def _export(argv: list[str]) -> int:
     reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
     outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
     out = console.terminal()
-    from .sizes import format_size
-
     out.print(f"study {args.study_name} in {display_url(storage)}: {request.spec.name}, "
               f"{request.target.device}, budget {format_size(request.budget_bytes)}")
     console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
@@ -878,8 +876,6 @@ def _export(argv: list[str]) -> int:
                   "measured so far; export again once its runs end")
     output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study
-        from .profile import check_writable
-
         _check_not_the_storage(output, storage)
         check_writable(output)
         _check_default_output_is_this_studys(output, args.study_name)

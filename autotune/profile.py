@@ -28,7 +28,7 @@ from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured,
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
 from .models import FAMILIES, ModelSpec, spec_problem
-from .sizes import format_size, parse_budget, parse_margin
+from .sizes import fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -263,8 +263,7 @@ class Profile:
         trials by."""
         if not _is_number(peak_bytes) or peak_bytes < 0:  # else "x" is a TypeError and -1 fits
             raise ProfileError(f"peak_bytes must be a number of bytes, 0 or more, not {peak_bytes!r:.40}")
-        budget_bytes = self._budget(budget_bytes)
-        return peak_bytes + self.margin_bytes(budget_bytes) <= budget_bytes
+        return fits(peak_bytes, self.margin, self._budget(budget_bytes))
 
     def choose(self, budget_bytes: int | str | None = None) -> dict:
         """The profile's best when its peak plus the profile's safety margin fits `budget_bytes`

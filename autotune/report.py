@@ -104,7 +104,6 @@ class StudyData:
     workload: dict
     device: str
     budget_bytes: int | None
-    margin_bytes: int = 0  # at the study's own budget
     margin: str = "0"  # as given (5%, 512MB): at another budget a share is another size
     points: list[Point] = field(default_factory=list)  # measured trials (no duplicates)
     front: list[Point] = field(default_factory=list)  # feasible Pareto front, by memory
@@ -293,8 +292,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     data = StudyData(
         label=label or "", name=name, storage=url, model=request.get("model", {}),
         workload=request.get("workload", {}), device=request.get("device", "?"),
-        budget_bytes=request.get("budget_bytes"), margin_bytes=request.get("margin_bytes") or 0,
-        margin=str(request.get("margin") or "0"), points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
+        budget_bytes=request.get("budget_bytes"), margin=str(request.get("margin") or "0"),
+        points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
         best=_point(outcome.best) if outcome.best else None,
         baseline=_point(outcome.baseline) if outcome.baseline else None,
         timeline=_timeline(trials),
@@ -323,8 +322,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         # two machines' profiles may record one relative storage path and one study name)
         label=label or "", name=study.get("name") or path.stem, storage=None,
         model=d["model"], workload=d["workload"], device=d["machine"].get("device", "?"),
-        budget_bytes=d["budget"]["memory_bytes"], margin_bytes=d["budget"].get("margin_bytes") or 0,
-        margin=profile.margin, front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
+        budget_bytes=d["budget"]["memory_bytes"], margin=profile.margin, front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
         baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
     )
     candidates = _storage_candidates(study.get("storage"), path.parent)
@@ -735,9 +733,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     fig = _figure(12, 5)  # wide: the legend stands beside the axes
     ax = fig.add_subplot()
 
-    needs = fits_from
-
-    top = max([needs(s, p) for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
+    top = max([fits_from(s, p) for s in studies for p in s.points + s.front if p.peak_memory_bytes] or [1])
     shown = [s.budget_bytes for s in studies if s.budget_bytes and s.budget_bytes <= 1.5 * top]
     # budgets far beyond every point are not drawn; curves run on to here, past the last step
     edge = max([1.05 * top, *shown])
@@ -747,7 +743,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     for s, color in zip(studies, _colors(len(studies))):
         if s.front:
             right = min(s.budget_bytes or edge, edge)
-            xs = [needs(s, p) for p in s.front] + [max(right, needs(s, s.front[-1]))]
+            xs = [fits_from(s, p) for p in s.front] + [max(right, fits_from(s, s.front[-1]))]
             ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
             ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
                     label=s.label, gid=f"budget-curve:{s.label}")
@@ -758,7 +754,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
         else:  # nothing fits: only the over-budget line (it drew nothing)
             over = _unbudgeted_front(s.points)
         if len(over) > (1 if s.front else 0):
-            ax.plot([needs(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
+            ax.plot([fits_from(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
                     ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
                     label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
             drawn += [p.latency_s for p in over]

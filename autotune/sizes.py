@@ -65,21 +65,23 @@ def parse_margin(text: str, budget: int) -> int:
         raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
 
 
+def fits(peak: int, margin: str, budget: int) -> bool:
+    """The budget rule: a peak fits when it and the margin (parse_margin's text, taken of this
+    budget) are within the budget. Profiles, the report and smallest_budget judge by it."""
+    return peak + parse_margin(margin, budget) <= budget
+
+
 def smallest_budget(peak: int, margin: str) -> int:
-    """The smallest budget a peak fits with `margin` (parse_margin's text) kept free: the peak
-    plus the margin for a size; for a share of the budget, the budget whose share leaves the
-    peak room (5%: peak / 0.95), as a profile's fits() judges it at each budget."""
+    """The smallest budget `peak` fits with `margin`: the peak plus the margin for a size; for
+    a share of the budget, the budget whose share leaves the peak room (5%: peak / 0.95)."""
     text = str(margin).strip()
     if not text.endswith("%"):
         return peak + parse_margin(text, peak)
-    def fits(budget: int) -> bool:
-        return peak + parse_margin(text, budget) <= budget
-
     budget = math.ceil(peak / (1 - float(text[:-1]) / 100))
     # parse_margin rounds the share down to whole bytes: the exact answer is a step or two away
-    while not fits(budget):
+    while not fits(peak, text, budget):
         budget += 1
-    while budget > peak and fits(budget - 1):
+    while budget > peak and fits(peak, text, budget - 1):
         budget -= 1
     return budget
 

@@ -682,8 +682,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     _refuse_another_request(study, _request_attr(req))
     study.set_user_attr("request", _request_attr(req))
     if not created:  # a resume, or a worker joining: said before anything is measured
-        kept = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                   if "result" in t.user_attrs and t.user_attrs.get("duplicate_of") is None)
+        kept = len(_measured(study))
         on_step(f"study {req.study_name} exists in this storage: " + (
             f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
             else "no trial measured yet, the search starts there"))
@@ -845,6 +844,16 @@ def _frozen_on_cpu(seed: Config) -> list[Config]:
     return [seed] if seed.get("compile", "none") == "none" else [{**seed, "compile_freezing": True}, seed]
 
 
+def _measured(study: optuna.Study) -> dict[str, int]:
+    """The configs the study has measured (a trial's own measurement, not a duplicate's): config
+    key -> its trial number."""
+    out: dict[str, int] = {}
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
+            out.setdefault(frozen.user_attrs["config_key"], frozen.number)
+    return out
+
+
 def _running(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
 
@@ -884,13 +893,6 @@ def tune(
     twins_in_a_row = 0  # proposals of a config another worker is measuring
     measured_here = 0
     measure_disturbed_again = True  # until a second trial finds the machine still busy
-
-    def measured() -> dict[str, int]:
-        out = {}
-        for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
-                out.setdefault(frozen.user_attrs["config_key"], frozen.number)
-        return out
 
     while True:
         _fail_stale_trials(study)
@@ -975,7 +977,7 @@ def tune(
         twins_in_a_row = 0
         # Read the measured configs again, after the running ones: a twin that finished since
         # the top of the loop is running no more, and only this second read sees it done.
-        done = measured()
+        done = _measured(study)
         if key in done:
             earlier = study.trials[done[key]]
             trial.set_user_attr("result", earlier.user_attrs["result"])

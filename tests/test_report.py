@@ -366,7 +366,7 @@ def cpu_study(label, budget_bytes, margin_bytes, points, front, best):
 
     baseline = next(p for p in points if p.baseline)
     return report.StudyData(label=label, name=label, storage=None, model={}, workload={}, device="cpu",
-                            budget_bytes=budget_bytes, margin_bytes=margin_bytes, margin=f"{margin_bytes}B",
+                            budget_bytes=budget_bytes, margin=f"{margin_bytes}B",
                             points=points, front=front, best=best, baseline=baseline)
 
 
