@@ -266,11 +266,13 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     n_skipped = sum(skipped.values())
     not_measured = (f"; not measured: {count(n_skipped, 'more proposal')} ("
                     + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""
-    # of those that ran: what ruled them out of the pick (an "ok" status says only that it ran)
+    # of those that ran: what ruled them out of the pick (an "ok" status says only that it ran),
+    # each trial once and the budget first, as the report's timeline and the no-fit error count
     ran = [r for r in outcome.records if r.status == "ok"]
     ruled_out = [f"{n} {why}" for n, why in (
         (sum(r.violations.get("memory", 0) > 0 for r in ran), "over the budget"),
-        (sum(r.violations.get("quality", 0) > 0 for r in ran), "below the quality guard")) if n]
+        (sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran),
+         "that fit below the quality guard")) if n]
     statuses = f" ({by_status}{'; of those ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "

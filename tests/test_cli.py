@@ -943,6 +943,28 @@ def test_the_summary_marks_a_headroom_short_of_the_margin():
     assert "-36.00 MiB (over budget)" in out.export_text()
 
 
+def test_the_summary_counts_a_trial_over_the_budget_and_below_the_guard_once():
+    # "of those 1 over the budget, 1 below the quality guard" for one trial: the report's timeline
+    # and the no-fit error count it as over the budget only
+    from rich.console import Console
+
+    from autotune.console import print_summary
+    from autotune.study import StudyOutcome, TrialRecord
+
+    MiB = 2**20
+    base = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 500 * MiB, "latency_s": 1.0}, 0.0, baseline=True)
+    both = TrialRecord(1, {"dtype": "float16"}, "ok", {"peak_memory_bytes": 1200 * MiB, "latency_s": 0.5}, 1.0,
+                       violations={"memory": 0.2, "quality": 3.0})
+    low = TrialRecord(2, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 400 * MiB, "latency_s": 0.6}, 1.0,
+                      violations={"memory": -0.6, "quality": 2.0})
+    outcome = StudyOutcome(records=[base, both, low], stop_reason="done", baseline=base, best=base,
+                           counts={"trials": 3, "by_status": {"ok": 3}})
+    out = Console(markup=False, record=True, width=200)
+    print_summary(out, outcome, 1000 * MiB, 0)
+    assert "trials measured: 3 (ok 3; of those 1 over the budget, 1 that fit below the quality guard)" \
+        in out.export_text()
+
+
 def test_the_summary_table_keeps_its_figures_whole_at_80_columns():
     # piped or logged, rich's console is 80 wide: the figures were cut to "laten…", "528.21 M…"
     from rich.console import Console
