@@ -647,44 +647,13 @@ def _check_folder(folder: Path) -> None:
 
 
 def _write_profile(out, request, outcome, output: Path) -> int:
-    from . import console
     from . import profile as profile_io
     from .errors import AutotuneError
-    from .sizes import format_size
-
-    from .worker import OK
 
     if outcome.best is None:
-        ran = [r for r in outcome.records if r.status == OK]
-        smallest = outcome.smallest_peak_bytes
-        if not ran and not any(r.out_of_budgeted_memory for r in outcome.records):
-            # nothing ran, and not for lack of memory: not a budget too small (exit 3)
-            if outcome.records:
-                first = outcome.records[0]
-                why = f"no configuration ran ({console.status_counts(outcome)}); trial {first.number}: {first.result.get('error', first.status)}"
-            else:
-                why = f"no trial completed a measurement ({outcome.stop_reason})"
-            print(f"autotune: error: {why}; no profile written", file=sys.stderr)
-            return EXIT_ERROR
-        # a trial stopped for memory records where it stopped: its peak was that at least
-        stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
-        below_guard = sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran)
-        # smallest_peak_bytes leaves out the configs the quality guard ruled out: said, when it did
-        judged = any(r.peak_memory_bytes and r.violations.get("quality", 0) > 0 for r in ran)
-        whose = "of a config the quality guard passed" if judged else "measured"
-        seen = (f"the smallest peak memory {whose} was {'at least ' if stopped_there else ''}{format_size(smallest)}"
-                if smallest else f"no {'config the quality guard passed' if judged else 'trial'} recorded its peak memory")
-        if smallest and request.margin_bytes:
-            # a fit is peak plus margin within the budget: a peak under the budget may still miss
-            shown = format_size(request.margin_bytes)
-            seen += f" plus the margin of {request.margin} ({shown})" if str(request.margin).endswith("%") \
-                else f" plus the margin of {shown}"
-        if below_guard and outcome.quality_guard:
-            seen += (f"; {below_guard} that fit in memory fell below the quality guard's "
-                     f"{outcome.quality_guard['min_psnr_db']:g} dB (--min-psnr)")
-        print(f"autotune: error: no configuration fits {format_size(request.budget_bytes)}: {seen}; "
-              "no profile written", file=sys.stderr)
-        return EXIT_NO_FIT
+        for_lack_of_memory, why = outcome.why_no_best(request.budget_bytes, request.margin_bytes, request.margin)
+        print(f"autotune: error: {why}; no profile written", file=sys.stderr)
+        return EXIT_NO_FIT if for_lack_of_memory else EXIT_ERROR
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:
         path = profile_io.save(document, output)
@@ -897,7 +866,8 @@ def _profile_command(argv: list[str]) -> int:
     p.add_argument("profile", type=a_path)
     if command == "verify":
         p.add_argument("--device", help="where to replay it (default: where it was measured)")
-        p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls at least (default: 3)")
+        p.add_argument("--repeats", type=_positive_int,
+                       help="timed calls at least (default: as many as the profile was measured with)")
         p.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
                        help="kill the replay after this long (default: 1200)")
     args = p.parse_args(argv[1:])
@@ -937,15 +907,15 @@ def _verify(out, profile, args) -> int:
         except AutotuneError as exc:  # its words name --device, which was not given
             raise AutotuneError(f"profile {args.profile} was measured on {recorded}: "
                                 f"{str(exc).split(': ', 1)[1]}; pick one with --device") from None
-    measured = profile.data.get("measurement") or {}  # replay with the loop that measured it
+    measured_with = profile.measured_with()  # replay with the loop that measured it
+    if args.repeats:
+        measured_with["repeats"] = args.repeats
     threads, cores = profile.threads, fingerprint.usable_cores()
     if threads and threads > cores:  # more threads than cores fight for them: --threads' rule
         out.print(f"warning: measured with {threads} CPU threads; replayed with {cores}, the cores here")
         threads = cores
     request = worker.trial_request(
-        profile.model, profile.config, profile.workload, device, profile=args.profile,
-        repeats=args.repeats, max_calls=measured.get("timed_calls_max", 10),
-        spread_limit=measured.get("spread_limit", 0.05),
+        profile.model, profile.config, profile.workload, device, profile=args.profile, **measured_with,
         threads=threads,  # the thread count it was measured with, where this machine has the cores
     )
     with tempfile.TemporaryDirectory(prefix="autotune-verify-") as tmp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
@@ -153,9 +154,9 @@ class TrialProgress:
             q = r.get("quality")
             if q:
                 what += f", {q['psnr_db']:.1f} dB"
-            if not record.feasible:
-                v = record.violations
-                what += " (over budget)" if v.get("memory", 0) > 0 else " (quality below --min-psnr)"
+            if record.ruled_out_by:
+                what += {"budget": " (over budget)", "quality": " (quality below --min-psnr)",
+                         "failed again": " (failed when measured again)"}[record.ruled_out_by]
             if r.get("cut_short"):
                 what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
@@ -219,6 +220,11 @@ def busy_timings(outcome) -> str | None:
             "machine measures anew")
 
 
+# TrialRecord.ruled_out_by's reasons, as the summary counts them
+RULED_OUT_SAID = {"budget": "over the budget", "quality": "that fit below the quality guard",
+                  "failed again": "that fit failed when measured again"}
+
+
 def status_counts(outcome) -> str:
     """How the study's measured trials ended: "ok 6, out_of_memory 2"."""
     return counts_text(outcome.counts.get("by_status", {}))
@@ -267,12 +273,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     not_measured = (f"; not measured: {count(n_skipped, 'more proposal')} ("
                     + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) + ")") if skipped else ""
     # of those that ran: what ruled them out of the pick (an "ok" status says only that it ran),
-    # each trial once and the budget first, as the report's timeline and the no-fit error count
-    ran = [r for r in outcome.records if r.status == "ok"]
-    ruled_out = [f"{n} {why}" for n, why in (
-        (sum(r.violations.get("memory", 0) > 0 for r in ran), "over the budget"),
-        (sum(r.violations.get("memory", 0) <= 0 < r.violations.get("quality", 0) for r in ran),
-         "that fit below the quality guard")) if n]
+    # one reason each (TrialRecord.ruled_out_by), as the no-fit error counts them
+    by_reason = Counter(r.ruled_out_by for r in outcome.records)
+    ruled_out = [f"{by_reason[reason]} {said}" for reason, said in RULED_OUT_SAID.items() if by_reason[reason]]
     statuses = f" ({by_status}{'; of those ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "

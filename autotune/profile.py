@@ -225,6 +225,15 @@ class Profile:
         """CPU threads the figures were measured with (load_pipeline and apply set them on a CPU)."""
         return (self.data.get("measurement") or {}).get("threads")
 
+    def measured_with(self) -> dict:
+        """How the figures were measured, as `worker.trial_request` arguments (warmup, repeats,
+        max_calls, spread_limit), for `autotune verify` to replay them so: what the profile records,
+        the rest (null, or a profile without the section) left to trial_request's defaults."""
+        measured = self.data.get("measurement") or {}
+        arguments = {"warmup_calls_min": "warmup", "timed_calls_min": "repeats",
+                     "timed_calls_max": "max_calls", "spread_limit": "spread_limit"}
+        return {arg: measured[key] for key, arg in arguments.items() if measured.get(key) is not None}
+
     @property
     def best(self) -> dict:
         return self.data["best"]
@@ -434,7 +443,7 @@ def _is_number(value) -> bool:
 
 def _check_measurement(measured: dict, path) -> None:
     """How the figures were measured, which `autotune verify` replays: counts of 1 or more and a
-    positive spread, or null (absent: the replay takes the CLI's defaults)."""
+    positive spread, or null (absent: the replay takes trial_request's defaults)."""
     for key in ("threads", "warmup_calls_min", "timed_calls_min", "timed_calls_max"):
         value = measured.get(key)
         if value is not None and (type(value) is not int or value < 1):

@@ -20,19 +20,17 @@ from __future__ import annotations
 import html
 import textwrap
 import warnings
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from .choice import pareto_front
-from .console import count, counts_text
+from .console import count
 from .errors import AutotuneError, os_reason
 from .sizes import smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
                        display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
-from .worker import ran_out_of_budgeted_memory, ran_out_of_host_memory
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -53,6 +51,7 @@ CLASS_COLORS = {
     "interrupted": "#555555",
     "duplicate": "#c7c7c7",
     "forbidden": "#dbdb8d",
+    "known not to fit": "#f7b6d2",  # a config that saves less memory than one that ran out of it
     "confirmation": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
 }
 # How a class is said in the legend and the overview: "ok" beside "ok 16" on the console (every
@@ -60,7 +59,7 @@ CLASS_COLORS = {
 CLASS_NAMES = {"ok": "ran and fits", "confirmation": "confirmation phase"}
 # timeline bars that are not the search's measurements: an interrupted trial's config is queued
 # again and measured in a later trial
-NOT_MEASURED = ("duplicate", "forbidden", "confirmation", "interrupted")
+NOT_MEASURED = ("duplicate", "forbidden", "known not to fit", "confirmation", "interrupted")
 FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
             "crashed")
 
@@ -114,6 +113,7 @@ class StudyData:
     origin: str = ""  # the profile file's name, for a profile
     image_root: Path | None = None  # where relative result["image"] paths start
     notes: list[str] = field(default_factory=list)
+    no_best: str | None = None  # StudyOutcome.why_no_best's words, for a study without a best
     _trials: list = field(default_factory=list, repr=False)  # measured optuna FrozenTrials
 
     @property
@@ -130,19 +130,8 @@ class StudyData:
         return any(p.status == "ok" and p.latency_s for p in self.points)
 
     def why_no_best(self) -> str:
-        """Why the study has no best configuration, in words for a table or a note."""
-        if not self.points:
-            return "no trial completed a measurement"
-        if not self.measured:
-            statuses = Counter(p.status for p in self.points)
-            said = counts_text(statuses)
-            if all(ran_out_of_budgeted_memory({**p.result, "status": p.status}) for p in self.points):
-                return f"nothing fits the budget: every configuration ran out of memory ({said})"
-            on_host = sum(ran_out_of_host_memory(p.result) for p in self.points)
-            if on_host:
-                said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
-            return f"no configuration ran ({said})"
-        return "nothing fits the budget"
+        """Why the study has no best configuration, in the words of the CLI's error."""
+        return self.no_best or "no trial completed a measurement"
 
     @property
     def counts(self) -> dict[str, int]:
@@ -177,8 +166,8 @@ def trial_class(frozen) -> str | None:
         return None if frozen.user_attrs.get(WITHDRAWN) else "confirmation"
     if frozen.user_attrs.get("duplicate_of_running") is not None:
         return "duplicate"  # of a config another worker was measuring: told FAIL, measured nothing
-    if frozen.state == TrialState.PRUNED:
-        return "forbidden"
+    if frozen.state == TrialState.PRUNED:  # a proposal not measured: study._why_not_measured's words
+        return "known not to fit" if "dominated_by" in frozen.user_attrs else "forbidden"
     if frozen.state == TrialState.FAIL:
         return "interrupted"
     if frozen.state != TrialState.COMPLETE:
@@ -285,7 +274,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     if not isinstance(request, dict):
         raise ReportError(f"storage {display_url(url)}: study '{name}' was not made by autotune "
                           "(it records no request)")
-    outcome = summarize(study)
+    outcome = summarize(study, guard_asked=bool(request.get("min_psnr_db")))
     measured = {r.number for r in outcome.records}
     trials = outcome.trials
     path = storage_file(url)
@@ -300,6 +289,9 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
+    if outcome.best is None:
+        margin_bytes = request.get("margin_bytes") or 0
+        data.no_best = outcome.why_no_best(data.budget_bytes or 0, margin_bytes, data.margin)[1]
     if data.best is None:  # one wording for the note, the table and the speedups chart
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
     return data
@@ -325,6 +317,8 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         budget_bytes=d["budget"]["memory_bytes"], margin=profile.margin, front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
         baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
     )
+    if data.baseline:  # the front and best fit by construction; the baseline may not
+        data.baseline.feasible = profile.fits(data.baseline.peak_memory_bytes)
     candidates = _storage_candidates(study.get("storage"), path.parent)
     if candidates and study.get("name"):
         failures = []

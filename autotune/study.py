@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 
 from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
-from .console import count
+from .console import count, counts_text
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline
 from .measure import busy_cores
@@ -180,6 +180,19 @@ class TrialRecord:
         return statistics.median(values) if values else self.result.get(key)
 
     @property
+    def ruled_out_by(self) -> str | None:
+        """Why a config that ran cannot be picked, one reason each, in this order: "budget" (the
+        peak of a trial of it, plus the margin, over the budget), "quality" (below the quality
+        guard), "failed again" (a confirmation crashed or timed out); None for one that can be,
+        or that did not run. The one reading of the summary, the no-fit error and the trial lines."""
+        if self.status != worker.OK or self.feasible:
+            return None
+        v = self.violations
+        if v.get("memory", 0) > 0:
+            return "budget"
+        return "quality" if v.get("quality", 0) > 0 else "failed again"
+
+    @property
     def peak_memory_bytes(self) -> int | None:
         """The highest peak any of its trials measured: the budget must hold for each."""
         peaks = [p for p in [self.result.get("peak_memory_bytes"),
@@ -206,12 +219,55 @@ class StudyOutcome:
     @property
     def smallest_peak_bytes(self) -> int | None:
         """The smallest peak of the configs that ran or ran out of memory (where an out-of-memory
-        one stopped), of those the quality guard did not rule out: a trial that failed otherwise,
-        at load say, says nothing of the memory, and one below the guard cannot be picked."""
+        one stopped), of those nothing but the budget rules out: a trial that failed otherwise, at
+        load say, says nothing of the memory, and one below the quality guard, or that failed when
+        measured again, would not be picked under a larger budget either."""
         peaks = [r.peak_memory_bytes for r in self.records
                  if r.peak_memory_bytes and (r.status == worker.OK or r.out_of_budgeted_memory)
-                 and r.violations.get("quality", 0) <= 0]
+                 and not _ruled_out_besides_the_budget(r)]
         return min(peaks) if peaks else None
+
+    def why_no_best(self, budget_bytes: int, margin_bytes: int = 0, margin: str = "0") -> tuple[bool, str]:
+        """Why the study has no best configuration: whether the budget is the reason (nothing
+        that ran fits it: the CLI's exit 3), and the words, which the CLI and the report both say.
+        A config that ran out of budgeted memory counts as measured for this: it needs more."""
+        ran = [r for r in self.records if r.status == worker.OK]
+        if not ran and not any(r.out_of_budgeted_memory for r in self.records):
+            if not self.records:
+                return False, "no trial completed a measurement" + (f" ({self.stop_reason})" if self.stop_reason else "")
+            said = counts_text(Counter(r.status for r in self.records))
+            on_host = sum(worker.ran_out_of_host_memory(r.result) for r in self.records)
+            if on_host:
+                said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
+            first = self.records[0]
+            return False, f"no configuration ran ({said}); trial {first.number}: {first.result.get('error', first.status)}"
+        smallest = self.smallest_peak_bytes
+        # a trial stopped for memory records where it stopped: its peak was that at least
+        stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
+        # smallest_peak_bytes leaves out the configs ruled out otherwise: said, when some were
+        ruled_out = Counter(r.ruled_out_by for r in ran)
+        left_out = [_ruled_out_besides_the_budget(r) for r in ran if r.peak_memory_bytes]
+        judged = ("config not ruled out otherwise" if "failed again" in left_out else
+                  "config the quality guard passed" if "quality" in left_out else None)
+        seen = (f"the smallest peak memory {f'of a {judged}' if judged else 'measured'} was "
+                f"{'at least ' if stopped_there else ''}{format_size(smallest)}"
+                if smallest else f"no {judged or 'trial'} recorded its peak memory")
+        if smallest and margin_bytes:
+            # a fit is peak plus margin within the budget: a peak under the budget may still miss
+            seen += (f" plus the margin of {margin} ({format_size(margin_bytes)})" if str(margin).endswith("%")
+                     else f" plus the margin of {format_size(margin_bytes)}")
+        if ruled_out["quality"] and self.quality_guard:
+            seen += (f"; {ruled_out['quality']} that fit in memory fell below the quality guard's "
+                     f"{self.quality_guard['min_psnr_db']:g} dB (--min-psnr)")
+        if ruled_out["failed again"]:
+            seen += f"; {ruled_out['failed again']} that fit in memory failed when measured again"
+        return True, f"no configuration fits {format_size(budget_bytes)}: {seen}"
+
+
+def _ruled_out_besides_the_budget(record: TrialRecord) -> str | None:
+    """"failed again" or "quality" where that rules a config out, over the budget or not."""
+    v = record.violations
+    return "failed again" if v.get("failed_again", 0) > 0 else "quality" if v.get("quality", 0) > 0 else None
 
 
 def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:

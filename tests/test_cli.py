@@ -683,7 +683,8 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
 
 
 # ---- verify ------------------------------------------------------------------------------------------
-def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None, model="tiny-sd15"):
+def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None, model="tiny-sd15",
+                  measurement=None):
     """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it."""
     from autotune import fingerprint
     from autotune.models import resolve_model
@@ -697,7 +698,7 @@ def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, conf
     path.write_text(yaml.safe_dump({
         "autotune_profile": 1, "model": spec.to_dict(), "workload": workload.to_dict(),
         "budget": {"memory_bytes": budget_bytes, "margin": margin, "margin_bytes": parse_margin(margin, budget_bytes)},
-        "measurement": {"threads": threads, "timed_calls_max": 3, "spread_limit": 0.5},
+        "measurement": measurement or {"threads": threads, "timed_calls_max": 3, "spread_limit": 0.5},
         "machine": {**fingerprint.machine("cpu"), "device": device}, "software": fingerprint.software(),
         "best": point, "pareto": [point], "study": {"name": "written-by-hand", "choice": None},
     }, sort_keys=False))
@@ -777,6 +778,13 @@ def test_verify_judges_the_fit_with_the_profile_margin_and_not_a_failed_replay(c
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "margin 5%: replayed peak" in proc.stdout and " fits (" in proc.stdout
     assert f"warning: measured with 4096 CPU threads; replayed with {len(os.sched_getaffinity(0))}, the cores here" in proc.stdout
+
+    # how it was measured left null, as the profile's reader allows: replayed with the defaults
+    # (max(None, 3) was a TypeError traceback in trial_request)
+    write_profile(tmp_path / "nulls.yaml", measurement={"threads": None, "timed_calls_max": None, "spread_limit": None})
+    proc = cli("verify", "nulls.yaml", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and " fits (" in proc.stdout
 
     # a replay that measured nothing (killed at once) gets the failure, and no fit verdict
     proc = cli("verify", "roomy.yaml", "--trial-timeout", "0.5")
@@ -1004,6 +1012,29 @@ def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_f
     noisy.result["peak_memory_bytes"], noisy.violations["memory"] = 620 * 2**20, 0.03
     cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml")
     assert "the smallest peak memory of a config the quality guard passed was 900.00 MiB;" in capsys.readouterr().err
+
+
+def test_no_fit_says_when_configs_that_fit_failed_when_measured_again(tmp_path, capsys):
+    # both fit, both confirmations timed out: "the smallest peak memory measured was 1.00 GiB plus
+    # the margin", a peak that fits, and the summary's "(ok 2)" said nothing of why
+    from rich.console import Console
+
+    from autotune import cli as cli_module
+    from autotune.console import print_summary, terminal
+    from autotune.study import BROKEN, StudyOutcome, TrialRecord
+
+    timed_out = [{"status": "timeout", "violation": BROKEN}]
+    records = [TrialRecord(n, {"dtype": d}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 1.0}, BROKEN,
+                           violations={"memory": -0.5, "failed_again": BROKEN}, confirmations=timed_out)
+               for n, d in enumerate(("float32", "bfloat16"))]
+    outcome = StudyOutcome(records=records, stop_reason="done", counts={"trials": 2, "by_status": {"ok": 2}})
+    request = type("Request", (), {"budget_bytes": 2 * 2**30, "margin_bytes": 0, "margin": "0"})()
+    assert cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml") == cli_module.EXIT_NO_FIT
+    assert ("no configuration fits 2.00 GiB: no config not ruled out otherwise recorded its peak memory; "
+            "2 that fit in memory failed when measured again; no profile written") in capsys.readouterr().err
+    out = Console(markup=False, record=True, width=200)
+    print_summary(out, outcome, 2 * 2**30, 0)
+    assert "trials measured: 2 (ok 2; of those 2 that fit failed when measured again)" in out.export_text()
 
 
 @pytest.mark.slow

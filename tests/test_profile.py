@@ -597,6 +597,20 @@ def test_optional_sections_may_be_null(tmp_path):
     doc.update(baseline=None, quality_guard=None, measurement=None)
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.threads is None and "batch 1" in show(profile)
+    assert profile.measured_with() == {}  # verify replays with trial_request's defaults
+
+
+def test_verify_replays_with_what_the_profile_recorded_of_its_measurement(tmp_path):
+    # verify took only the cap and spread, and 3 timed calls where the study timed 5
+    from autotune import worker
+
+    doc = document()
+    doc["measurement"] = {"threads": 2, "warmup_calls_min": 2, "timed_calls_min": 5, "timed_calls_max": None,
+                          "spread_limit": 0.1}
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.measured_with() == {"warmup": 2, "repeats": 5, "spread_limit": 0.1}
+    request = worker.trial_request(profile.model, profile.config, profile.workload, "cpu", **profile.measured_with())
+    assert (request["warmup"], request["repeats"], request["max_calls"]) == (2, 5, 10)
     assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
@@ -76,7 +77,7 @@ def expected(url, name):
         if "confirmer" in t.user_attrs:
             kind = "confirmation"  # the claim on the confirmation phase: one bar for it
         elif t.state == TrialState.PRUNED:
-            kind = "forbidden"
+            kind = "known not to fit" if "dominated_by" in t.user_attrs else "forbidden"
         elif t.state == TrialState.FAIL:
             kind = "interrupted"
         elif t.user_attrs.get("duplicate_of") is not None:
@@ -272,6 +273,11 @@ def synthetic_study(tmp_path, images, fits=True):
                                        user_attrs={"config": {"dtype": "bfloat16", **base}, "forbidden": "x"})
     pruned.datetime_start = pruned.datetime_complete = t0 + timedelta(seconds=40)
     study.add_trial(pruned)
+    # saves less memory than a config that ran out of it: not measured, and not forbidden either
+    dominated = optuna.trial.create_trial(params={"dtype": "float32"}, distributions=dist, state=TrialState.PRUNED,
+                                          user_attrs={"config": {"dtype": "float32", "vae_tiling": True}, "dominated_by": 0})
+    dominated.datetime_start = dominated.datetime_complete = t0 + timedelta(seconds=41)
+    study.add_trial(dominated)
     return url
 
 
@@ -300,8 +306,9 @@ def test_images_are_shown_where_kept_relative_or_absolute_and_missing_ones_are_s
     # Failure classes on the timeline, and a study without images is no error.
     timeline = report.plot_timeline([study])
     kinds = sorted(p.get_gid().split(":")[3] for ax in timeline.axes for p in ax.patches if p.get_gid())
-    assert kinds == ["forbidden", "ok", "ok", "out_of_memory"]
-    assert "out_of_memory (1)" in [t.get_text() for t in timeline.axes[0].get_legend().get_texts()]
+    assert kinds == ["forbidden", "known not to fit", "ok", "ok", "out_of_memory"]  # "forbidden" twice before
+    legend = [t.get_text() for t in timeline.axes[0].get_legend().get_texts()]
+    assert "out_of_memory (1)" in legend and "known not to fit (1)" in legend and "forbidden (1)" in legend
 
 
 def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_trials(tmp_path):
@@ -617,6 +624,22 @@ def test_a_storage_password_is_masked_in_the_report(studies, tmp_path):
     assert "hunter2" not in index and "hunter2" not in " ".join(loaded[0].notes)
 
 
+def test_a_profiles_baseline_over_its_budget_is_not_marked_feasible(studies, tmp_path):
+    # Point.feasible defaulted to True: a profile's baseline was "feasible" whatever its peak
+    from autotune import report
+
+    profile = profile_recording(studies, tmp_path / "p.yaml", "postgresql://tuner:***@127.0.0.1:1/studies")
+    (loaded,) = report.load([str(profile)])
+    assert loaded.baseline.feasible  # within 2 GB
+    doc = yaml.safe_load(profile.read_text())
+    best = doc["best"]["peak_memory_bytes"]
+    doc["baseline"]["peak_memory_bytes"] = 2 * best  # a baseline that needs more than the best
+    doc["budget"].update(memory_bytes=3 * best // 2, margin="0", margin_bytes=0)
+    profile.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (loaded,) = report.load([str(profile)])
+    assert not loaded.baseline.feasible and loaded.best.feasible
+
+
 def test_a_profile_recorded_with_a_masked_password_is_not_tried_with_it(studies, tmp_path):
     # profiles record postgresql://user:***@host: connecting with "***" fails, and failed logins
     # can lock the account
@@ -857,9 +880,10 @@ def test_a_study_where_nothing_ran_says_why_and_is_left_out_of_the_charts(tmp_pa
     studies = report.load(url)
     assert [s.measured for s in studies] == [True, False, False]
     said = {s.name: s.why_no_best() for s in studies[1:]}
-    assert said == {"timeouts": "no configuration ran (timeout 3)",
-                    "nofit": "nothing fits the budget: every configuration ran out of memory (out_of_memory 3)"}
-    assert "timeouts: no configuration ran (timeout 3) (left out of the charts)" in studies[1].notes
+    # in the words of the CLI's error for the same study
+    assert said == {"timeouts": "no configuration ran (timeout 3); trial 0: x",
+                    "nofit": "no configuration fits 1.00 GiB: the smallest peak memory measured was at least 400.00 MiB"}
+    assert "timeouts: no configuration ran (timeout 3); trial 0: x (left out of the charts)" in studies[1].notes
     assert [r["configuration"] for r in report.best_table(studies)][1:] == list(said.values())
     for name, fig in report.figures(studies).items():
         assert "timeouts" not in drawn_text(fig) and "nofit" not in drawn_text(fig), name
@@ -879,13 +903,12 @@ def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(s
 
 
 def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_said_not_to_fit():
-    from autotune.report import Point, StudyData
+    from autotune.study import BROKEN, StudyOutcome, TrialRecord
 
-    for result, says in (({}, "nothing fits the budget: every configuration ran out of memory"),
+    for result, says in (({}, "no configuration fits 1.00 GiB: the smallest peak memory measured was at least 1.50 GiB"),
                          ({"out_of_memory_on": "host"}, "host memory ran out in 2, which the GPU budget does not judge")):
-        points = [Point(trial=n, config={}, latency_s=None, peak_memory_bytes=None, status="out_of_memory",
-                        feasible=False, result=result) for n in range(2)]
-        data = StudyData(label="s", name="s", storage=None, model={}, workload={}, device="cuda",
-                         budget_bytes=2**30, points=points)
-        assert says in data.why_no_best()
-        assert ("nothing fits" in data.why_no_best()) == (not result)
+        records = [TrialRecord(n, {}, "out_of_memory", {"peak_memory_bytes": 3 * 2**29, "error": "x", **result},
+                               BROKEN, violations={"memory": BROKEN}) for n in range(2)]
+        for_lack_of_memory, why = StudyOutcome(records=records, stop_reason="").why_no_best(2**30)
+        assert says in why
+        assert for_lack_of_memory == (not result)
