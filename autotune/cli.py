@@ -520,19 +520,19 @@ def _tune(args, argv: list[str]) -> int:
                   f"new study; --warm-start {name} would measure that study's best configurations first")
     if args.gpus:
         return _tune_on_gpus(out, request, args, argv, output)
-    try:
+    try:  # to the profile's rename: stopped while it is written, the same command writes it
         with console.TrialProgress(out, request.trials) as progress:
             outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
+        console.print_summary(out, outcome, budget, request.margin_bytes)
+        console.print_share(out, outcome)
+        if args.no_profile:
+            out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
+                      f"--storage {display_url(storage)}")
+            return 0 if outcome.best else EXIT_NO_FIT
+        return _write_profile(out, request, outcome, output)
     except KeyboardInterrupt:
         _print_interrupted(storage, study_name)
         return EXIT_INTERRUPTED
-    console.print_summary(out, outcome, budget, request.margin_bytes)
-    console.print_share(out, outcome)
-    if args.no_profile:
-        out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
-                  f"--storage {display_url(storage)}")
-        return 0 if outcome.best else EXIT_NO_FIT
-    return _write_profile(out, request, outcome, output)
 
 
 def _check_image_size(spec, workload) -> None:

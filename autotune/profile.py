@@ -11,10 +11,12 @@ and validated, so a missing, corrupt, truncated or foreign file is one clear Pro
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +169,7 @@ def save(document: dict, path: str | Path) -> Path:
         mode = _new_file_mode()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(target)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
     except OSError as exc:
         raise ProfileError(f"profile {path}: cannot write in {target.parent} ({os_reason(exc)})") from None
@@ -184,6 +187,22 @@ def save(document: dict, path: str | Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+STALE_TEMPORARY_S = 3600  # a write takes well under a second: a temporary this old lost its writer
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """The temporaries of writes killed between mkstemp and the rename (a SIGKILL cannot be
+    cleaned up after): save's own name pattern, and old enough that no writer is still on it,
+    on this machine or another sharing the folder."""
+    now = time.time()
+    for tmp in target.parent.glob(glob.escape(target.name) + ".????????.tmp"):
+        try:
+            if now - tmp.lstat().st_mtime > STALE_TEMPORARY_S:
+                tmp.unlink()
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
 
 
 @dataclass

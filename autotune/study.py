@@ -570,6 +570,11 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         # float32 does not fit the card: the same precision, streamed from host memory.
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
+    if result["status"] == worker.CRASHED:
+        # Killed by a signal: a stray one (the OOM killer for another process, a kill by hand)
+        # would stop an unattended run for good, so it is made again once; a crash that comes
+        # again is the pipeline's own.
+        result = measure(request, req.workdir / "reference-again", lambda: None)
     if result["status"] != worker.OK:
         if did_not_load(result):
             raise model_did_not_load(result)

@@ -1014,6 +1014,29 @@ def test_no_fit_says_when_the_quality_guard_is_what_ruled_out_the_configs_that_f
     assert "the smallest peak memory of a config the quality guard passed was 900.00 MiB;" in capsys.readouterr().err
 
 
+def test_a_ctrl_c_while_the_profile_is_written_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    # after the search, a Ctrl-C said only "autotune: interrupted". The search and the write are
+    # stand-ins here: what is tested is the moment the signal lands, which a real run cannot aim at.
+    from autotune import cli as cli_module
+    from autotune import study
+    from autotune.study import StudyOutcome, TrialRecord
+
+    base = TrialRecord(0, {}, "ok", {"peak_memory_bytes": 2**20, "latency_s": 1.0}, -0.5, baseline=True)
+    measured = StudyOutcome(records=[base], stop_reason="done", baseline=base, best=base,
+                            counts={"trials": 1, "by_status": {"ok": 1}})
+    monkeypatch.setattr(study, "tune", lambda request, **_: measured)
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_write_profile", ctrl_c)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    assert cli_module.main([*CHEAP, "--vram", "2GB"]) == cli_module.EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "autotune: interrupted: the measured trials are kept in sqlite:///autotune-studies/studies.db" in err, err
+
+
 def test_no_fit_says_when_configs_that_fit_failed_when_measured_again(tmp_path, capsys):
     # both fit, both confirmations timed out: "the smallest peak memory measured was 1.00 GiB plus
     # the margin", a peak that fits, and the summary's "(ok 2)" said nothing of why

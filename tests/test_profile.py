@@ -64,6 +64,23 @@ def test_a_failed_write_leaves_the_old_file_whole(written):
     assert not list(written.parent.glob("*.tmp"))
 
 
+def test_a_write_killed_before_its_rename_leaves_no_temporary_for_long(written):
+    # a SIGKILL between mkstemp and the rename leaves p.yaml.XXXXXXXX.tmp; the next write of the
+    # same profile removes it once no writer can still be on it, and leaves a fresh one alone
+    import os
+    import time
+
+    stale, fresh = written.parent / "p.yaml.4_wlinpf.tmp", written.parent / "p.yaml.abcdefgh.tmp"
+    other = written.parent / "q.yaml.4_wlinpf.tmp"  # another profile's, not this one's
+    for path in (stale, fresh, other):
+        path.write_text("")
+    hours_ago = time.time() - 2 * profile_io.STALE_TEMPORARY_S
+    for path in (stale, other):
+        os.utime(path, (hours_ago, hours_ago))
+    profile_io.save(document(), written)
+    assert not stale.exists() and fresh.exists() and other.exists()
+
+
 def test_choose_takes_the_fastest_point_that_fits(written):
     profile = load_profile(written)
     assert profile.choose()["trial"] == 3

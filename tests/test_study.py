@@ -916,7 +916,10 @@ def test_a_reference_that_runs_out_of_gpu_memory_is_made_again_offloaded(tmp_pat
 def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hint):
     from autotune.errors import AutotuneError
 
+    calls = []
+
     def crashed(req: dict, trial_dir: Path, tick) -> dict:
+        calls.append(trial_dir.name)
         return {"status": "crashed", "error": "killed by SIGSEGV"}
 
     req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db=min_psnr)
@@ -924,6 +927,23 @@ def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hi
         study.reference_calls(req, crashed, threshold=False)
     assert str(caught.value) == ("the reference output (float32, nothing enabled) could not be generated: "
                                  f"crashed: killed by SIGSEGV{hint}")
+    assert calls == ["reference", "reference-again"]  # a crash that comes again stops the run
+
+
+def test_a_reference_call_killed_once_is_made_again(tmp_path):
+    # a stray SIGKILL (the OOM killer for another process, a kill by hand) ended the run with exit 1
+    calls = []
+
+    def killed_once(req: dict, trial_dir: Path, tick) -> dict:
+        calls.append(trial_dir.name)
+        if len(calls) == 1:
+            return {"status": "crashed", "error": "killed by SIGKILL"}
+        np.save(req["output_path"], np.zeros((1, 8, 8, 3), dtype=np.float32))
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+
+    req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db=30.0)
+    guard = study.reference_calls(req, killed_once, threshold=False)
+    assert calls == ["reference", "reference-again"] and guard["float32_call_s"] == 1.0
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials asked by hand, not by Study.optimize
