@@ -160,7 +160,7 @@ def trial_class(frozen) -> str | None:
     """How a trial ended, for the timeline; None for one still running or waiting."""
     from optuna.trial import TrialState
 
-    from .study import CONFIRMER, WITHDRAWN
+    from .study import CONFIRMER, WITHDRAWN, stored_violations
 
     if CONFIRMER in frozen.user_attrs:  # a worker's claim on the confirmation phase: start to end
         return None if frozen.user_attrs.get(WITHDRAWN) else "confirmation"
@@ -181,8 +181,7 @@ def trial_class(frozen) -> str | None:
     if result["status"] == "ok":
         if attrs.get("violation", 0) <= 0:
             return "ok"
-        violations = attrs.get("violations")  # a trial of an autotune before the guard had none: memory
-        return "low quality" if violations is not None and violations.get("memory", 0) <= 0 else "over budget"
+        return "over budget" if stored_violations(frozen).get("memory", 0) > 0 else "low quality"
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 

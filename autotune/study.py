@@ -47,7 +47,7 @@ from .workload import Workload
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
 PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
 SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
-QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial
+QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial (_queue_again)
 MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
 MAX_TWINS_IN_A_ROW = 5  # then wait for the other worker's trial of that config to end
 
@@ -389,12 +389,19 @@ def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[
                             f"({detail[0] if detail else exc})") from None
 
 
+def stored_violations(frozen: optuna.trial.FrozenTrial) -> dict:
+    """A measured trial's violations by constraint ({"memory": ..., "quality": ...}); a trial of
+    an autotune from before the quality guard stored only the memory one, as its violation."""
+    attrs = frozen.user_attrs
+    return dict(attrs.get("violations", {"memory": attrs["violation"]}))
+
+
 def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None = None) -> TrialRecord | None:
     attrs = frozen.user_attrs
     if "result" not in attrs:
         return None
     confirmations = confirmations or []
-    violations = dict(attrs.get("violations", {"memory": attrs["violation"]}))
+    violations = stored_violations(frozen)
     # A confirmation that went over the budget, ran out of memory or broke makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
     # (Host memory running out under a GPU budget is a failure, not the budget's verdict.)
@@ -895,6 +902,17 @@ def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome
     return found is not None
 
 
+# What a queued config is marked with (prepare, _queue_repair), kept when it is queued again
+QUEUE_MARKS = ("baseline", "seed", "warm_start", "repair")
+
+
+def _queue_again(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Queue an unfinished trial's config again, with its marks, so the same command measures it
+    first (_ask); Optuna's retry of a stale trial keeps them too."""
+    study.enqueue_trial(trial.params, user_attrs={
+        QUEUED_AGAIN: True, **{k: trial.user_attrs[k] for k in QUEUE_MARKS if k in trial.user_attrs}})
+
+
 def _frozen_on_cpu(seed: Config) -> list[Config]:
     """A compiled seed with inductor's freezing, then as it is (space.fit then drops the frozen one
     where the space does not search freezing or a rule forbids it, as with regional compile): on
@@ -1042,7 +1060,7 @@ def tune(
         if key in done:
             earlier = study.trials[done[key]]
             trial.set_user_attr("result", earlier.user_attrs["result"])
-            _record(trial, **earlier.user_attrs["violations"])
+            _record(trial, **stored_violations(earlier))
             trial.set_user_attr("duplicate_of", earlier.number)
             study.tell(trial, earlier.value)
             duplicates_in_a_row += 1
@@ -1075,9 +1093,7 @@ def tune(
             # its config again, so the same command resumes by measuring it first.
             if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
                 study.tell(trial, state=TrialState.FAIL)
-                study.enqueue_trial(trial.params, user_attrs={
-                    "baseline": bool(trial.user_attrs.get("baseline")), QUEUED_AGAIN: True,
-                    **{k: trial.user_attrs[k] for k in ("seed", "warm_start", "repair") if k in trial.user_attrs}})
+                _queue_again(study, trial)
             raise
         except optuna.exceptions.UpdateFinishedTrialError:
             # A heartbeat found the trial given up: this process was paused past the grace period
@@ -1088,7 +1104,7 @@ def tune(
             # Every config starts from this pipeline. Queued again: once the model is mended, the
             # same command measures it first.
             study.tell(trial, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={"baseline": True})
+            _queue_again(study, trial)
             raise model_did_not_load(result, f" (the baseline, trial {trial.number})")
         if min_psnr_db:
             result["quality"] = quality.assess(result, req.reference_path)
