@@ -330,6 +330,9 @@ class Profile:
                 raise ProfileError(f"this profile was measured on {device}, and no CUDA GPU is usable here; {hint}")
             raise ProfileError(f"device={device!r} was asked for (the profile was measured on {measured}), but no "
                                f"CUDA GPU is usable here; leave device out or pass device={measured!r}")
+        if device.startswith("cuda:") and int(device[5:]) >= fingerprint.cuda_device_count():
+            # else torch's "invalid device ordinal", after the pipeline was loaded
+            raise ProfileError(f"device {device!r}: no such GPU (GPUs usable here: {fingerprint.cuda_device_count()})")
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
                       workload=self.workload)
 

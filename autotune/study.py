@@ -48,7 +48,7 @@ WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a s
 PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
 SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
 QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial (_queue_again)
-MAX_DUPLICATES_IN_A_ROW = 50  # the sampler keeps proposing measured configs: the space is spent
+MAX_UNMEASURED_IN_A_ROW = 50  # proposals measured already, forbidden or known not to fit: the space is spent
 MAX_TWINS_IN_A_ROW = 5  # then wait for the other worker's trial of that config to end
 
 # Violation recorded for a trial with no usable measurement (crash, NaN output, forbidden): worse
@@ -968,7 +968,7 @@ def tune(
     min_psnr_db = guard["min_psnr_db"] if req.min_psnr_db and guard else None
     n_configs = len(space.configs())
     deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None  # --timeout
-    duplicates_in_a_row = 0
+    unmeasured_in_a_row = 0
     twins_in_a_row = 0  # proposals of a config another worker is measuring
     measured_here = 0
     measure_disturbed_again = True  # until a second trial finds the machine still busy
@@ -998,8 +998,8 @@ def tune(
         if _past(deadline):
             reason = f"--timeout {req.timeout_s:g} s reached"
             break
-        if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
-            reason = "the sampler keeps proposing configurations measured already"
+        if unmeasured_in_a_row >= MAX_UNMEASURED_IN_A_ROW:
+            reason = "the sampler keeps proposing configurations measured already, forbidden or known not to fit"
             break
         if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
@@ -1032,7 +1032,7 @@ def tune(
             _record(trial, BROKEN)
             trial.set_user_attr("forbidden", forbidden)
             study.tell(trial, state=TrialState.PRUNED)
-            duplicates_in_a_row += 1
+            unmeasured_in_a_row += 1
             continue
         # Another worker may have drawn the same config a moment ago. Each writes its key before
         # it looks (above), so of two racing trials the one that wrote later sees the other, and
@@ -1044,7 +1044,7 @@ def tune(
             study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
             # Not a config measured already (the space is not spent): another worker is measuring
             # it, and the sampler, which counts it as a bad one while it runs, may propose it
-            # again. A pause, not a spin to MAX_DUPLICATES_IN_A_ROW within seconds; proposed
+            # again. A pause, not a spin to MAX_UNMEASURED_IN_A_ROW within seconds; proposed
             # again and again, this worker waits for that trial to end (each proposal is a
             # trial in the storage).
             twins_in_a_row += 1
@@ -1063,7 +1063,7 @@ def tune(
             _record(trial, **stored_violations(earlier))
             trial.set_user_attr("duplicate_of", earlier.number)
             study.tell(trial, earlier.value)
-            duplicates_in_a_row += 1
+            unmeasured_in_a_row += 1
             continue
         so_far = outcome.records  # this pass's read: a trial another worker ends meanwhile counts next pass
         dominated_by = memory_dominated(config, so_far)
@@ -1071,9 +1071,9 @@ def tune(
             _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
             trial.set_user_attr("dominated_by", dominated_by.number)
             study.tell(trial, state=TrialState.PRUNED)
-            duplicates_in_a_row += 1
+            unmeasured_in_a_row += 1
             continue
-        duplicates_in_a_row = 0
+        unmeasured_in_a_row = 0
 
         trial_dir = req.workdir / f"trial-{trial.number:05d}"
         fastest = min((r.latency_s for r in so_far if r.feasible), default=None)

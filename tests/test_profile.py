@@ -221,6 +221,18 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
             profile.load_pipeline(device="cuda")
 
 
+def test_a_gpu_index_beyond_the_gpus_here_is_refused_before_loading(tmp_path, monkeypatch):
+    # `autotune verify --device cuda:3` refused it; load_pipeline went on to torch's "invalid
+    # device ordinal" after the pipeline was built. The driver is faked: no NVIDIA GPU exists here.
+    from autotune import fingerprint
+
+    monkeypatch.setattr(fingerprint, "cuda_available", lambda: True)
+    monkeypatch.setattr(fingerprint, "cuda_device_count", lambda: 1)
+    profile = load_profile(profile_io.save(document(), tmp_path / "p.yaml"))
+    with pytest.raises(ProfileError, match=r"device 'cuda:3': no such GPU \(GPUs usable here: 1\)"):
+        profile.load_pipeline(device="cuda:3")
+
+
 def test_choose_keeps_the_studys_pick_where_it_fits(tmp_path):
     """A study may keep a simpler config over a front point with a lower median its trials did not
     back (study.choose_best): a budget the pick fits gets the pick, not that point."""

@@ -979,13 +979,13 @@ def test_a_sampler_that_keeps_proposing_measured_configs_stops_the_search(tmp_pa
     # after a run of repeats the search stops and says why, where it looped until --timeout
     import optuna
 
-    monkeypatch.setattr(study, "MAX_DUPLICATES_IN_A_ROW", 3)
+    monkeypatch.setattr(study, "MAX_UNMEASURED_IN_A_ROW", 3)
     monkeypatch.setattr(study, "make_sampler", lambda seed: optuna.samplers.PartialFixedSampler(
         {"dtype": "float32"}, optuna.samplers.RandomSampler(seed=0)))
     space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
     measure, measured = fake_measure(lambda config: 1.0)
     outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0), measure=measure)
-    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
+    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already, forbidden or known not to fit"
     assert [config["dtype"] for config in measured] == ["float32"]  # the baseline, measured once
 
 
@@ -1142,7 +1142,7 @@ def test_a_worker_proposed_a_config_another_is_measuring_waits_for_it_instead_of
     from autotune.space import config_key
 
     monkeypatch.setattr(study, "MAX_TWINS_IN_A_ROW", 2)
-    monkeypatch.setattr(study, "MAX_DUPLICATES_IN_A_ROW", 3)
+    monkeypatch.setattr(study, "MAX_UNMEASURED_IN_A_ROW", 3)
     monkeypatch.setattr(study, "make_sampler", lambda seed: optuna.samplers.PartialFixedSampler(
         {"dtype": "bfloat16"}, optuna.samplers.RandomSampler(seed=0)))
     space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
@@ -1183,7 +1183,7 @@ def test_a_worker_proposed_a_config_another_is_measuring_waits_for_it_instead_of
     assert after.datetime_start.timestamp() >= ended[0] - 0.01
     # proposals of a config being measured did not count toward "the space is spent": the three
     # repeats of the config measured by then did
-    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already"
+    assert outcome.stop_reason == "the sampler keeps proposing configurations measured already, forbidden or known not to fit"
     assert sum(1 for t in trials if "duplicate_of" in t.user_attrs) == 3
 
 
