@@ -778,28 +778,32 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
     seeds_in_bfloat16 = seeds_pending and "float32" in space.choices_of("dtype") and any(
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
-    timings = None  # the float32 and bfloat16 calls' times, for machine_seeds
+    calibration = None  # the reference calls' record: the float32 and bfloat16 calls' times, for machine_seeds
     if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
         # Each machine keeps its own reference output (the study may be shared), made again
         # when missing or cut short; the threshold is the study's, set by the first worker
         # to calibrate it.
         on_step("reference calls: the float32 output the quality guard compares with"
                 + (", and one bfloat16 call" if guard is None and req.min_psnr_db == "auto" or seeds_in_bfloat16 else ""))
-        timings = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
+        calibration = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
         if guard is None:
-            study.set_user_attr("quality_guard", timings)
-    elif seeds_in_bfloat16:  # no guard: the two calls for their times alone
+            study.set_user_attr("quality_guard", calibration)
+    elif seeds_in_bfloat16 and not (guard or study.user_attrs.get("precision_probe") or {}).get("bfloat16_call_s"):
+        # the two calls for their times alone: no guard, or one whose calls did not time bfloat16
         on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
         try:
-            timings = reference_calls(req, measure, threshold=False, time_bfloat16=True)
-            study.set_user_attr("precision_probe", timings)
+            calibration = reference_calls(req, measure, threshold=False, time_bfloat16=True)
+            study.set_user_attr("precision_probe", calibration)
         except AutotuneError:
             pass  # the seeds keep their precision; the baseline trial shows what fails here
     # Seeds go in after the calibration, whose two calls say which precision is fast here. A run
     # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
     # queues them. Read again: a worker that joined while another calibrated found them pending too.
     if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
-        seeds, note = machine_seeds(space, timings, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
+        # Not calibrated by this run (the one that made the calls stopped before it queued the
+        # seeds): the times the study kept from those calls.
+        calibration = calibration or guard or study.user_attrs.get("precision_probe")
+        seeds, note = machine_seeds(space, calibration, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
         keys = {config_key(c) for c in warm}
         for config in seeds:
             if config_key(config) not in keys:

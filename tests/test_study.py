@@ -292,6 +292,27 @@ def test_seeds_keep_their_settings_in_float32_where_bfloat16_ran_slow(tmp_path):
     assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
 
 
+def test_seeds_queued_by_a_later_run_take_the_precision_the_stopped_runs_calls_measured(tmp_path, monkeypatch):
+    # a run stopped between its reference calls and queueing the seeds: the next run, finding the
+    # guard made, made both calls again for their times, which the guard kept already
+    measure, measured = measure_with_outputs(lambda c: 2.5 if c["dtype"] == "bfloat16" else 1.0)
+    req = request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, min_psnr_db="auto",
+                  storage=f"sqlite:///{tmp_path / 's.db'}")
+    keep = study.machine_seeds
+
+    def stopped_there(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "machine_seeds", stopped_there)
+    with pytest.raises(KeyboardInterrupt):
+        study.prepare(req, measure=measure)
+    assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]
+    monkeypatch.setattr(study, "machine_seeds", keep)
+    outcome = study.tune(req, measure=measure)
+    assert measured[2:] == [baseline(), {**baseline(), "fuse_qkv": True}, {**baseline(), "channels_last": True}]
+    assert "bfloat16 ran 2.5x slower than float32" in outcome.seed_note
+
+
 @pytest.mark.parametrize("family", ["sd15", "flux"])
 def test_on_a_cpu_the_compiled_seed_freezes_its_weights_where_the_space_allows_it(family):
     from autotune.knobs import conflict
