@@ -869,6 +869,12 @@ def _disturbed_out_of_the_running(result: dict, fastest: float | None, req: Tune
             and result["latency_s"] > fastest and violation(result, req.budget_bytes, req.margin_bytes) <= 0)
 
 
+def _below_the_guard(result: dict, req: TuneRequest, min_psnr_db: float | None) -> bool:
+    """Whether a trial's output is too far from the reference: it cannot be picked, whatever it
+    timed (assessed again, into the record, after a trial's measurements)."""
+    return bool(min_psnr_db) and quality.violation(quality.assess(result, req.reference_path), min_psnr_db) > 0
+
+
 def _less_disturbed(first: dict, second: dict) -> dict:
     """Of a disturbed trial and its second measurement, the one other processes took fewer cores
     from, recording the other's figures (and which was kept); its peak memory the higher of the
@@ -1085,7 +1091,8 @@ def tune(
         request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
         try:
             result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
-            if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req):
+            if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req) \
+                    and not _below_the_guard(result, req, min_psnr_db):
                 again = trial_dir / "again"
                 request = req.trial_request(config, again / "output.npy", cut_above_s=cut_above_s)
                 second = measure(request, again, lambda: _heartbeat(storage, trial))

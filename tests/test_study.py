@@ -82,6 +82,30 @@ def test_a_trial_slowed_by_other_processes_is_measured_again_when_that_left_it_o
     assert len(seen) == 8 + 3
 
 
+def test_a_disturbed_trial_below_the_quality_guard_is_not_measured_again(tmp_path):
+    # it can never be picked, whatever a second trial would time: the second trial was a waste
+    clean = np.linspace(0, 1, 8 * 8 * 3, dtype=np.float32).reshape(1, 8, 8, 3)
+    noisy = np.random.default_rng(0).random(clean.shape, dtype=np.float32)  # far below 30 dB
+    seen = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        config = req["config"]
+        seen.append(config)
+        out = Path(req["output_path"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        np.save(out, noisy if config["channels_last"] else clean)
+        disturbed = config["channels_last"] and seen.count(config) == 1
+        return {"status": "ok", "latency_s": 2.0 * (3 if disturbed else 1), "peak_memory_bytes": 500 * MiB,
+                "cores_taken_by_others": 0.9 if disturbed else 0.0, "output": str(out)}
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16")), Dimension("channels_last", (False, True))])
+    outcome = study.tune(request(space, tmp_path, trials=4, confirm_rounds=0, min_psnr_db=30.0), measure=measure)
+    below = [r for r in outcome.records if r.config["channels_last"]]
+    assert below and all(r.ruled_out_by == "quality" for r in below)
+    assert all(r.result.get("measured_twice") is None for r in below)
+    assert len(seen) == 1 + 4  # the reference call and one trial each
+
+
 def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(tmp_path):
     def trial(status="ok", latency=1.0, peak=500 * MiB, taken=0.0):
         return {"status": status, "latency_s": latency, "peak_memory_bytes": peak, "cores_taken_by_others": taken}
