@@ -313,7 +313,7 @@ def test_images_are_shown_where_kept_relative_or_absolute_and_missing_ones_are_s
 
 def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_trials(tmp_path):
     """A study's confirmation phase (the claim a worker holds while it measures the contenders
-    again) is one bar, and neither it nor the forbidden proposal counts as a trial."""
+    again) is one bar, and neither it nor the proposals not measured count as trials."""
     from autotune import report
 
     url = synthetic_study(tmp_path, {})
@@ -342,8 +342,9 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     study.add_trial(stopped)
     (data,) = report.load(f"synthetic@{url}")
     spans = {sp.trial: (sp.kind, sp.start_s, sp.end_s) for sp in data.timeline}
-    assert spans[4] == ("confirmation", 41.0, 60.0) and 5 not in spans and spans[6][0] == "duplicate"
-    assert spans[7][0] == "interrupted"
+    assert spans[4][0] == "known not to fit"  # synthetic_study's last trial
+    assert spans[5] == ("confirmation", 41.0, 60.0) and 6 not in spans and spans[7][0] == "duplicate"
+    assert spans[8][0] == "interrupted"
     fig = report.plot_timeline([data])
     # not 7 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
