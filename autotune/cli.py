@@ -479,8 +479,8 @@ def _tune(args, argv: list[str]) -> int:
     _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     storage = args.storage or default_storage(args.workdir)
     _check_storage_keeps(storage)
-    output = args.output or default_profile_path(spec, budget)
-    if not args.no_profile:
+    output = None if args.no_profile else args.output or default_profile_path(spec, budget)
+    if output is not None:
         # The profile is written after the search: a path that takes no file fails now, not then,
         # and before the storage is opened (a SQLite file made) for a run that cannot end well.
         from .profile import check_writable
@@ -525,10 +525,10 @@ def _tune(args, argv: list[str]) -> int:
             outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
         console.print_summary(out, outcome, budget, request.margin_bytes)
         console.print_share(out, outcome)
-        if args.no_profile:
+        if args.no_profile and outcome.best is not None:
             out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
                       f"--storage {display_url(storage)}")
-            return 0 if outcome.best else EXIT_NO_FIT
+            return 0
         return _write_profile(out, request, outcome, output)
     except KeyboardInterrupt:
         _print_interrupted(storage, study_name)
@@ -646,14 +646,17 @@ def _check_folder(folder: Path) -> None:
             "and its default storage; give --workdir a writable folder")
 
 
-def _write_profile(out, request, outcome, output: Path) -> int:
+def _write_profile(out, request, outcome, output: Path | None) -> int:
+    """Write the study's profile to `output` (None: --no-profile, only the error if there is none)."""
     from . import profile as profile_io
     from .errors import AutotuneError
 
     if outcome.best is None:
-        for_lack_of_memory, why = outcome.why_no_best(request.budget_bytes, request.margin_bytes, request.margin)
+        nothing_picked, why = outcome.why_no_best(request.budget_bytes, request.margin_bytes, request.margin)
         print(f"autotune: error: {why}; no profile written", file=sys.stderr)
-        return EXIT_NO_FIT if for_lack_of_memory else EXIT_ERROR
+        return EXIT_NO_FIT if nothing_picked else EXIT_ERROR
+    if output is None:
+        return 0
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:
         path = profile_io.save(document, output)
@@ -794,8 +797,12 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     outcome = summarize(study, f"{len(args.gpus)} workers done", guard_asked=bool(request.min_psnr_db))
     from . import console
 
-    console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
-    return _write_profile(out, request, outcome, output)
+    try:  # stopped while the profile is written: the same command writes it
+        console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
+        return _write_profile(out, request, outcome, output)
+    except KeyboardInterrupt:
+        _print_interrupted(request.storage, request.study_name)
+        return EXIT_INTERRUPTED
 
 
 def _export(argv: list[str]) -> int:

@@ -818,7 +818,7 @@ def plot_speedups(studies: list[StudyData]):
         bar.patches[0].set_gid(f"speedup:{s.label}")
         text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
                 f"[{config_changes(s.best.config)}]" if s.speedup else
-                s.why_no_best() if s.best is None else "no baseline measured")
+                textwrap.shorten(s.why_no_best(), 110, placeholder=" …") if s.best is None else "no baseline measured")
         # under its bar, on white: the 1.0x line ran through the words
         ax.text(0.01, i + 0.27, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform(),
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0}, zorder=3)
@@ -880,7 +880,7 @@ def plot_importances(studies: list[StudyData]):
 
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
-    ended (ok, over budget, each failure class, duplicate, forbidden), and the confirmation
+    ended (ok, over budget, each failure class, duplicate, forbidden, known not to fit), and the confirmation
     phase as one bar; counts in the legend."""
     studies = _charted(studies)
     fig = _figure(10, 1.5 + 0.8 * len(studies))

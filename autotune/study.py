@@ -47,7 +47,7 @@ from .workload import Workload
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
 PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
 SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
-QUEUED_AGAIN = "queued_again"  # user attr: a config queued again after a Ctrl-C stopped its trial (_queue_again)
+QUEUED_AGAIN = "queued_again"  # user attr: a config queued again unmeasured (Ctrl-C, a model that did not load: _queue_again)
 MAX_UNMEASURED_IN_A_ROW = 50  # proposals measured already, forbidden or known not to fit: the space is spent
 MAX_TWINS_IN_A_ROW = 5  # then wait for the other worker's trial of that config to end
 
@@ -228,9 +228,10 @@ class StudyOutcome:
         return min(peaks) if peaks else None
 
     def why_no_best(self, budget_bytes: int, margin_bytes: int = 0, margin: str = "0") -> tuple[bool, str]:
-        """Why the study has no best configuration: whether the budget is the reason (nothing
-        that ran fits it: the CLI's exit 3), and the words, which the CLI and the report both say.
-        A config that ran out of budgeted memory counts as measured for this: it needs more."""
+        """Why the study has no best configuration, in the words the CLI and the report both say,
+        and whether configs were measured and none can be picked within the budget (the CLI's
+        exit 3), rather than none having run. A config that ran out of budgeted memory counts as
+        measured for this: it needs more."""
         ran = [r for r in self.records if r.status == worker.OK]
         if not ran and not any(r.out_of_budgeted_memory for r in self.records):
             if not self.records:
@@ -241,11 +242,21 @@ class StudyOutcome:
                 said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
             first = self.records[0]
             return False, f"no configuration ran ({said}); trial {first.number}: {first.result.get('error', first.status)}"
+        ruled_out = Counter(r.ruled_out_by for r in ran)
+        otherwise = []  # what ruled out the configs that fit
+        if ruled_out["quality"]:
+            guard = f" {self.quality_guard['min_psnr_db']:g} dB" if self.quality_guard else ""
+            otherwise.append(f"{ruled_out['quality']} that fit in memory fell below the quality guard's{guard} (--min-psnr)")
+        if ruled_out["failed again"]:
+            otherwise.append(f"{ruled_out['failed again']} that fit in memory failed when measured again "
+                             "(a crash or a timeout in the confirmation phase)")
+        if not ruled_out["budget"] and not any(r.out_of_budgeted_memory for r in self.records):
+            return True, (f"no configuration can be picked within {format_size(budget_bytes)}: all that ran fit "
+                          f"it, but {'; '.join(otherwise)}")
         smallest = self.smallest_peak_bytes
         # a trial stopped for memory records where it stopped: its peak was that at least
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
         # smallest_peak_bytes leaves out the configs ruled out otherwise: said, when some were
-        ruled_out = Counter(r.ruled_out_by for r in ran)
         left_out = [_ruled_out_besides_the_budget(r) for r in ran if r.peak_memory_bytes]
         judged = ("config not ruled out otherwise" if "failed again" in left_out else
                   "config the quality guard passed" if "quality" in left_out else None)
@@ -256,12 +267,7 @@ class StudyOutcome:
             # a fit is peak plus margin within the budget: a peak under the budget may still miss
             seen += (f" plus the margin of {margin} ({format_size(margin_bytes)})" if str(margin).endswith("%")
                      else f" plus the margin of {format_size(margin_bytes)}")
-        if ruled_out["quality"] and self.quality_guard:
-            seen += (f"; {ruled_out['quality']} that fit in memory fell below the quality guard's "
-                     f"{self.quality_guard['min_psnr_db']:g} dB (--min-psnr)")
-        if ruled_out["failed again"]:
-            seen += f"; {ruled_out['failed again']} that fit in memory failed when measured again"
-        return True, f"no configuration fits {format_size(budget_bytes)}: {seen}"
+        return True, f"no configuration fits {format_size(budget_bytes)}: {'; '.join([seen, *otherwise])}"
 
 
 def _ruled_out_besides_the_budget(record: TrialRecord) -> str | None:
@@ -577,11 +583,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
         # float32 does not fit the card: the same precision, streamed from host memory.
         request["config"] = {**baseline(), "offload": "sequential"}
         result = measure(request, req.workdir / "reference-offloaded", lambda: None)
-    if result["status"] == worker.CRASHED:
-        # Killed by a signal: a stray one (the OOM killer for another process, a kill by hand)
-        # would stop an unattended run for good, so it is made again once; a crash that comes
-        # again is the pipeline's own.
-        result = measure(request, req.workdir / "reference-again", lambda: None)
+    result = _again_if_killed(measure, request, req.workdir / "reference", result)
     if result["status"] != worker.OK:
         if did_not_load(result):
             raise model_did_not_load(result)
@@ -599,8 +601,9 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     auto = threshold and req.min_psnr_db == "auto"
     if auto or time_bfloat16:
         half = {**request["config"], "dtype": "bfloat16"}
-        probe = measure(_one_call(req, half, req.workdir / "precision" / "output.npy"),
-                        req.workdir / "precision", lambda: None)
+        probe_request = _one_call(req, half, req.workdir / "precision" / "output.npy")
+        probe = _again_if_killed(measure, probe_request, req.workdir / "precision",
+                                 measure(probe_request, req.workdir / "precision", lambda: None))
         if probe["status"] == worker.OK:
             guard["bfloat16_call_s"] = probe.get("latency_s")
             guard["cores_taken_by_others"] = max(guard["cores_taken_by_others"] or 0,
@@ -615,6 +618,16 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     else:
         guard["min_psnr_db"] = float(req.min_psnr_db)
     return guard
+
+
+def _again_if_killed(measure: Measure, request: dict, trial_dir: Path, result: dict) -> dict:
+    """A reference call killed by a signal (the OOM killer for another process, a kill by hand)
+    made once more, in trial_dir-again: a stray signal would otherwise stop an unattended run
+    for good, or set the "auto" threshold without its bfloat16 PSNR. A second kill, or a crash
+    that is not a signal's, is the call's own result."""
+    if result["status"] != worker.CRASHED or not result.get("signal"):
+        return result
+    return measure(request, trial_dir.with_name(trial_dir.name + "-again"), lambda: None)
 
 
 def did_not_load(baseline_result: dict) -> bool:
@@ -860,7 +873,8 @@ def machine_seeds(space: SearchSpace, guard: dict | None, usable_bytes: int,
 
 def _disturbed_out_of_the_running(result: dict, fastest: float | None, req: TuneRequest) -> bool:
     """Whether a trial timed while other processes took its CPU cores (measure.busy_cores) lost
-    on that figure: it fits the budget and ran slower than the fastest feasible trial. A neighbour
+    on that figure: it fits the budget and ran slower than the fastest feasible trial (the caller
+    checks the quality guard too: _below_the_guard). A neighbour
     slows a trial by more than its own figures can tell (a run beside a test suite recorded a
     config at 2.1 s that measured 0.33 s in another study), and a config slower than the fastest is
     never measured again (only contenders are confirmed): it gets one more trial. A disturbed trial
@@ -912,7 +926,7 @@ def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome
     return found is not None
 
 
-# What a queued config is marked with (prepare, _queue_repair), kept when it is queued again
+# What a queued config is marked with (prepare, _queue_a_repair), kept when it is queued again
 QUEUE_MARKS = ("baseline", "seed", "warm_start", "repair")
 
 

@@ -806,7 +806,7 @@ def test_no_fit_because_of_the_margin_names_the_margin(cli, tmp_path):
     # with --no-profile (the same study, measured already): the summary, and still "nothing fits"
     proc = cli(*CHEAP, "--vram", "2GB", "--margin", "1800MB", "--no-profile")
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "no profile written (--no-profile)" in proc.stdout
+    assert "no configuration fits 2.00 GiB: the smallest peak memory measured was" in one_line_error(proc)
 
 
 def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tmp_path):
@@ -1053,8 +1053,9 @@ def test_no_fit_says_when_configs_that_fit_failed_when_measured_again(tmp_path, 
     outcome = StudyOutcome(records=records, stop_reason="done", counts={"trials": 2, "by_status": {"ok": 2}})
     request = type("Request", (), {"budget_bytes": 2 * 2**30, "margin_bytes": 0, "margin": "0"})()
     assert cli_module._write_profile(terminal(), request, outcome, tmp_path / "p.yaml") == cli_module.EXIT_NO_FIT
-    assert ("no configuration fits 2.00 GiB: no config not ruled out otherwise recorded its peak memory; "
-            "2 that fit in memory failed when measured again; no profile written") in capsys.readouterr().err
+    assert ("no configuration can be picked within 2.00 GiB: all that ran fit it, but 2 that fit in memory failed "
+            "when measured again (a crash or a timeout in the confirmation phase); no profile written"
+            ) in capsys.readouterr().err
     out = Console(markup=False, record=True, width=200)
     print_summary(out, outcome, 2 * 2**30, 0)
     assert "trials measured: 2 (ok 2; of those 2 that fit failed when measured again)" in out.export_text()

@@ -627,6 +627,7 @@ def test_optional_sections_may_be_null(tmp_path):
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.threads is None and "batch 1" in show(profile)
     assert profile.measured_with() == {}  # verify replays with trial_request's defaults
+    assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
 
 
 def test_verify_replays_with_what_the_profile_recorded_of_its_measurement(tmp_path):
@@ -640,7 +641,6 @@ def test_verify_replays_with_what_the_profile_recorded_of_its_measurement(tmp_pa
     assert profile.measured_with() == {"warmup": 2, "repeats": 5, "spread_limit": 0.1}
     request = worker.trial_request(profile.model, profile.config, profile.workload, "cpu", **profile.measured_with())
     assert (request["warmup"], request["repeats"], request["max_calls"]) == (2, 5, 10)
-    assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
 
 
 def test_show_lists_the_best_in_the_front_table_even_when_it_was_kept_within_noise(tmp_path, written):

@@ -346,7 +346,7 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     assert spans[5] == ("confirmation", 41.0, 60.0) and 6 not in spans and spans[7][0] == "duplicate"
     assert spans[8][0] == "interrupted"
     fig = report.plot_timeline([data])
-    # not 7 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
+    # not 8 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
     assert "confirmation phase (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 

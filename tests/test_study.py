@@ -965,7 +965,7 @@ def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hi
 
     def crashed(req: dict, trial_dir: Path, tick) -> dict:
         calls.append(trial_dir.name)
-        return {"status": "crashed", "error": "killed by SIGSEGV"}
+        return {"status": "crashed", "signal": "SIGSEGV", "error": "killed by SIGSEGV"}
 
     req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db=min_psnr)
     with pytest.raises(AutotuneError) as caught:
@@ -976,19 +976,35 @@ def test_a_reference_that_crashes_names_the_way_around_it(tmp_path, min_psnr, hi
 
 
 def test_a_reference_call_killed_once_is_made_again(tmp_path):
-    # a stray SIGKILL (the OOM killer for another process, a kill by hand) ended the run with exit 1
+    from autotune.errors import AutotuneError
+
+    # a stray SIGKILL (the OOM killer for another process, a kill by hand) ended the run with exit
+    # 1, or, on the bfloat16 call, set the "auto" threshold without its PSNR
     calls = []
+    image = np.linspace(0, 1, 8 * 8 * 3, dtype=np.float32).reshape(1, 8, 8, 3)
 
-    def killed_once(req: dict, trial_dir: Path, tick) -> dict:
+    def each_killed_once(req: dict, trial_dir: Path, tick) -> dict:
         calls.append(trial_dir.name)
-        if len(calls) == 1:
-            return {"status": "crashed", "error": "killed by SIGKILL"}
-        np.save(req["output_path"], np.zeros((1, 8, 8, 3), dtype=np.float32))
-        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+        if not trial_dir.name.endswith("-again"):
+            return {"status": "crashed", "signal": "SIGKILL", "error": "killed by SIGKILL"}
+        Path(req["output_path"]).parent.mkdir(parents=True, exist_ok=True)
+        np.save(req["output_path"], image + (0.01 if req["config"]["dtype"] == "bfloat16" else 0))
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB, "output": req["output_path"]}
 
-    req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db=30.0)
-    guard = study.reference_calls(req, killed_once, threshold=False)
-    assert calls == ["reference", "reference-again"] and guard["float32_call_s"] == 1.0
+    req = request(SearchSpace([Dimension("dtype", ("float32", "bfloat16"))]), tmp_path, trials=1, min_psnr_db="auto")
+    guard = study.reference_calls(req, each_killed_once)
+    assert calls == ["reference", "reference-again", "precision", "precision-again"]
+    assert guard["float32_call_s"] == 1.0 and guard["bfloat16_psnr_db"] == pytest.approx(40.0, abs=0.1)
+
+    # a crash that is not a signal's (the child exited with an error code) is the call's own
+    def exited(req: dict, trial_dir: Path, tick) -> dict:
+        calls.append(trial_dir.name)
+        return {"status": "crashed", "error": "exited with code 1: boom"}
+
+    calls.clear()
+    with pytest.raises(AutotuneError, match="crashed: exited with code 1: boom"):
+        study.reference_calls(req, exited, threshold=False)
+    assert calls == ["reference"]
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials asked by hand, not by Study.optimize
