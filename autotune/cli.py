@@ -3,7 +3,7 @@
 --out DIR` (report.py: charts comparing studies).
 
 Every error a user can cause ends as one line on stderr and a non-zero exit code:
-1 bad input or an unusable file, 2 bad usage, 3 nothing fits the budget, 130 interrupted.
+1 bad input or an unusable file, 2 bad usage, 3 nothing fits the budget (or can be picked within it), 130 interrupted.
 """
 
 from __future__ import annotations
