@@ -106,6 +106,32 @@ def test_a_disturbed_trial_below_the_quality_guard_is_not_measured_again(tmp_pat
     assert len(seen) == 1 + 4  # the reference call and one trial each
 
 
+def test_a_resumed_study_with_a_trial_from_before_the_quality_guard_takes_its_duplicates(tmp_path, monkeypatch):
+    # such a trial stored only its "violation"; a proposal of its config read its "violations": KeyError
+    import optuna
+
+    from autotune.space import config_key
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])  # not spent by two
+    measure, measured = fake_measure(lambda c: 1.0)
+    study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=url), measure=measure)
+    stored = optuna.load_study(study_name="s", storage=url)
+    bf16 = {**baseline(), "dtype": "bfloat16"}
+    stored.add_trial(optuna.trial.create_trial(
+        params=space.params(bf16), distributions=stored.trials[0].distributions, value=0.5,
+        user_attrs={"config": bf16, "config_key": config_key(bf16), "violation": -0.5,
+                    "result": {"status": "ok", "latency_s": 0.5, "peak_memory_bytes": 500 * MiB}}))
+    monkeypatch.setattr(study, "make_sampler", lambda seed: optuna.samplers.PartialFixedSampler(
+        {"dtype": "bfloat16"}, optuna.samplers.RandomSampler(seed=0)))
+    monkeypatch.setattr(study, "MAX_UNMEASURED_IN_A_ROW", 2)
+    outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0, storage=url), measure=measure)
+    assert len(measured) == 1  # the baseline, in the first run: the proposals were duplicates
+    assert outcome.best.config == bf16 and outcome.best.number == 1
+    duplicate = [t for t in optuna.load_study(study_name="s", storage=url).trials if t.user_attrs.get("duplicate_of") == 1]
+    assert duplicate and duplicate[0].user_attrs["violations"] == {"memory": -0.5, "quality": 0.0}
+
+
 def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(tmp_path):
     def trial(status="ok", latency=1.0, peak=500 * MiB, taken=0.0):
         return {"status": status, "latency_s": latency, "peak_memory_bytes": peak, "cores_taken_by_others": taken}
