@@ -525,10 +525,6 @@ def _tune(args, argv: list[str]) -> int:
             outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
         console.print_summary(out, outcome, budget, request.margin_bytes)
         console.print_share(out, outcome)
-        if args.no_profile and outcome.best is not None:
-            out.print(f"no profile written (--no-profile): autotune export --study-name {study_name} "
-                      f"--storage {display_url(storage)}")
-            return 0
         return _write_profile(out, request, outcome, output)
     except KeyboardInterrupt:
         _print_interrupted(storage, study_name)
@@ -647,7 +643,8 @@ def _check_folder(folder: Path) -> None:
 
 
 def _write_profile(out, request, outcome, output: Path | None) -> int:
-    """Write the study's profile to `output` (None: --no-profile, only the error if there is none)."""
+    """Write the study's profile to `output` (None: --no-profile, which says how to export it),
+    or say why there is none."""
     from . import profile as profile_io
     from .errors import AutotuneError
 
@@ -656,6 +653,8 @@ def _write_profile(out, request, outcome, output: Path | None) -> int:
         print(f"autotune: error: {why}; no profile written", file=sys.stderr)
         return EXIT_NO_FIT if nothing_picked else EXIT_ERROR
     if output is None:
+        out.print(f"no profile written (--no-profile): autotune export --study-name {request.study_name} "
+                  f"--storage {display_url(request.storage)}")
         return 0
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:

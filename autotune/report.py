@@ -288,10 +288,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
-    if outcome.best is None:
-        margin_bytes = request.get("margin_bytes") or 0
-        data.no_best = outcome.why_no_best(data.budget_bytes or 0, margin_bytes, data.margin)[1]
-    if data.best is None:  # one wording for the note, the table and the speedups chart
+    if outcome.best is None:  # the CLI's words, for the note, the table and the speedups chart
+        data.no_best = outcome.why_no_best(data.budget_bytes or 0, request.get("margin_bytes") or 0, data.margin)[1]
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
     return data
 

@@ -187,10 +187,7 @@ class TrialRecord:
         or that did not run. The one reading of the summary, the no-fit error and the trial lines."""
         if self.status != worker.OK or self.feasible:
             return None
-        v = self.violations
-        if v.get("memory", 0) > 0:
-            return "budget"
-        return "quality" if v.get("quality", 0) > 0 else "failed again"
+        return "budget" if self.violations.get("memory", 0) > 0 else _ruled_out_besides_the_budget(self)
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -233,7 +230,8 @@ class StudyOutcome:
         exit 3), rather than none having run. A config that ran out of budgeted memory counts as
         measured for this: it needs more."""
         ran = [r for r in self.records if r.status == worker.OK]
-        if not ran and not any(r.out_of_budgeted_memory for r in self.records):
+        ran_out = any(r.out_of_budgeted_memory for r in self.records)
+        if not ran and not ran_out:
             if not self.records:
                 return False, "no trial completed a measurement" + (f" ({self.stop_reason})" if self.stop_reason else "")
             said = counts_text(Counter(r.status for r in self.records))
@@ -250,14 +248,14 @@ class StudyOutcome:
         if ruled_out["failed again"]:
             otherwise.append(f"{ruled_out['failed again']} that fit in memory failed when measured again "
                              "(a crash or a timeout in the confirmation phase)")
-        if not ruled_out["budget"] and not any(r.out_of_budgeted_memory for r in self.records):
+        if not ruled_out["budget"] and not ran_out:
             return True, (f"no configuration can be picked within {format_size(budget_bytes)}: all that ran fit "
                           f"it, but {'; '.join(otherwise)}")
         smallest = self.smallest_peak_bytes
         # a trial stopped for memory records where it stopped: its peak was that at least
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
         # smallest_peak_bytes leaves out the configs ruled out otherwise: said, when some were
-        left_out = [_ruled_out_besides_the_budget(r) for r in ran if r.peak_memory_bytes]
+        left_out = {_ruled_out_besides_the_budget(r) for r in ran if r.peak_memory_bytes}
         judged = ("config not ruled out otherwise" if "failed again" in left_out else
                   "config the quality guard passed" if "quality" in left_out else None)
         seen = (f"the smallest peak memory {f'of a {judged}' if judged else 'measured'} was "
@@ -271,9 +269,10 @@ class StudyOutcome:
 
 
 def _ruled_out_besides_the_budget(record: TrialRecord) -> str | None:
-    """"failed again" or "quality" where that rules a config out, over the budget or not."""
+    """"quality" or "failed again" (in ruled_out_by's order) where that rules a config out, over
+    the budget or not."""
     v = record.violations
-    return "failed again" if v.get("failed_again", 0) > 0 else "quality" if v.get("quality", 0) > 0 else None
+    return "quality" if v.get("quality", 0) > 0 else "failed again" if v.get("failed_again", 0) > 0 else None
 
 
 def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:
@@ -578,12 +577,11 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     and whose time says which precision the seeds take (machine_seeds). `threshold=False`: no
     threshold set; `time_bfloat16`: the bfloat16 call made whatever the threshold."""
     request = _one_call(req, baseline(), req.reference_path)
-    result = measure(request, req.workdir / "reference", lambda: None)
+    result = _reference_call(measure, request, req.workdir / "reference")
     if worker.ran_out_of_budgeted_memory(result) and req.target.is_cuda:
         # float32 does not fit the card: the same precision, streamed from host memory.
         request["config"] = {**baseline(), "offload": "sequential"}
-        result = measure(request, req.workdir / "reference-offloaded", lambda: None)
-    result = _again_if_killed(measure, request, req.workdir / "reference", result)
+        result = _reference_call(measure, request, req.workdir / "reference-offloaded")
     if result["status"] != worker.OK:
         if did_not_load(result):
             raise model_did_not_load(result)
@@ -601,9 +599,8 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     auto = threshold and req.min_psnr_db == "auto"
     if auto or time_bfloat16:
         half = {**request["config"], "dtype": "bfloat16"}
-        probe_request = _one_call(req, half, req.workdir / "precision" / "output.npy")
-        probe = _again_if_killed(measure, probe_request, req.workdir / "precision",
-                                 measure(probe_request, req.workdir / "precision", lambda: None))
+        probe = _reference_call(measure, _one_call(req, half, req.workdir / "precision" / "output.npy"),
+                                req.workdir / "precision")
         if probe["status"] == worker.OK:
             guard["bfloat16_call_s"] = probe.get("latency_s")
             guard["cores_taken_by_others"] = max(guard["cores_taken_by_others"] or 0,
@@ -620,11 +617,12 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
     return guard
 
 
-def _again_if_killed(measure: Measure, request: dict, trial_dir: Path, result: dict) -> dict:
-    """A reference call killed by a signal (the OOM killer for another process, a kill by hand)
-    made once more, in trial_dir-again: a stray signal would otherwise stop an unattended run
-    for good, or set the "auto" threshold without its bfloat16 PSNR. A second kill, or a crash
-    that is not a signal's, is the call's own result."""
+def _reference_call(measure: Measure, request: dict, trial_dir: Path) -> dict:
+    """One reference call, made once more (in trial_dir-again) when a signal killed it (the OOM
+    killer for another process, a kill by hand): a stray signal would otherwise stop an
+    unattended run for good, or set the "auto" threshold without its bfloat16 PSNR. A second
+    kill, or a crash that is not a signal's, is the call's own result."""
+    result = measure(request, trial_dir, lambda: None)
     if result["status"] != worker.CRASHED or not result.get("signal"):
         return result
     return measure(request, trial_dir.with_name(trial_dir.name + "-again"), lambda: None)
@@ -791,7 +789,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
     seeds_in_bfloat16 = seeds_pending and "float32" in space.choices_of("dtype") and any(
         s.get("dtype") == "bfloat16" for s in space.seed_configs())
-    calibration = None  # the reference calls' record: the float32 and bfloat16 calls' times, for machine_seeds
+    # the reference calls' record, with the float32 and bfloat16 calls' times for machine_seeds:
+    # this run's, or the one the study kept (a run that made the calls may have stopped before
+    # it queued the seeds)
+    calibration = None
+    kept_calibration = guard or study.user_attrs.get("precision_probe") or {}
     if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
         # Each machine keeps its own reference output (the study may be shared), made again
         # when missing or cut short; the threshold is the study's, set by the first worker
@@ -801,7 +803,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         calibration = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
         if guard is None:
             study.set_user_attr("quality_guard", calibration)
-    elif seeds_in_bfloat16 and not (guard or study.user_attrs.get("precision_probe") or {}).get("bfloat16_call_s"):
+    elif seeds_in_bfloat16 and not kept_calibration.get("bfloat16_call_s"):
         # the two calls for their times alone: no guard, or one whose calls did not time bfloat16
         on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
         try:
@@ -813,10 +815,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
     # queues them. Read again: a worker that joined while another calibrated found them pending too.
     if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
-        # Not calibrated by this run (the one that made the calls stopped before it queued the
-        # seeds): the times the study kept from those calls.
-        calibration = calibration or guard or study.user_attrs.get("precision_probe")
-        seeds, note = machine_seeds(space, calibration, req.budget_bytes - req.margin_bytes, cpu=not req.target.is_cuda)
+        seeds, note = machine_seeds(space, calibration or kept_calibration, req.budget_bytes - req.margin_bytes,
+                                    cpu=not req.target.is_cuda)
         keys = {config_key(c) for c in warm}
         for config in seeds:
             if config_key(config) not in keys:
