@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from .measure import MAX_TIMED_CALLS, MAX_WARMUP_CALLS, SPREAD_LIMIT, STEADY, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS
 from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, default_storage, display_url, keeps_nothing,
                        open_storage, storage_file)
 
@@ -41,9 +42,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
-
-
-MAX_CALLS = 10  # timed calls per trial at most, unless --max-calls says otherwise
 
 
 def _whole_number(text: str, least: int, most: int | None = None, most_text: str = "") -> int:
@@ -145,7 +143,7 @@ def measurement_defaults() -> dict:
     contestants to exactly these. Keys as TuneRequest names them, and the margin."""
     p = tune_parser()
     return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
-            "max_calls": max(MAX_CALLS, p.get_default("repeats")), "spread_limit": p.get_default("spread"),
+            "max_calls": max(MAX_TIMED_CALLS, p.get_default("repeats")), "spread_limit": p.get_default("spread"),
             "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
 
 
@@ -201,17 +199,18 @@ def tune_parser() -> argparse.ArgumentParser:
                    "baseline if it is close) again this many times each, in alternation; the pick is "
                    "the lowest median, or a config with fewer changes whose median is within the "
                    "fastest's spread (default 2; 0: keep the lowest single measurement)")
-    s.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
-                   help="kill a trial after this long (default 1200)")
-    s.add_argument("--repeats", type=_positive_int, default=3,
+    s.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",
+                   help=f"kill a trial after this long (default {TRIAL_TIMEOUT_S:g})")
+    s.add_argument("--repeats", type=_positive_int, default=TIMED_CALLS,
                    help="timed calls per trial at least; more, up to --max-calls, until the last "
-                   "REPEATS agree within --spread (default 3)")
+                   f"REPEATS agree within --spread (default {TIMED_CALLS})")
     s.add_argument("--max-calls", type=_positive_int,
-                   help=f"timed calls per trial at most (default {MAX_CALLS}, or REPEATS when more)")
-    s.add_argument("--spread", type=_positive_float, default=0.05, metavar="FRACTION",
-                   help="(max - min) / median the last REPEATS calls must be under (default 0.05)")
-    s.add_argument("--warmup", type=_positive_int, default=1,
-                   help="untimed calls per trial at least; more (up to 5) until two agree within 10%% (default 1)")
+                   help=f"timed calls per trial at most (default {MAX_TIMED_CALLS}, or REPEATS when more)")
+    s.add_argument("--spread", type=_positive_float, default=SPREAD_LIMIT, metavar="FRACTION",
+                   help=f"(max - min) / median the last REPEATS calls must be under (default {SPREAD_LIMIT:g})")
+    s.add_argument("--warmup", type=_positive_int, default=WARMUP_CALLS,
+                   help=f"untimed calls per trial at least; more (up to {MAX_WARMUP_CALLS}) until two agree "
+                   f"within {STEADY * 100:g}%% (default {WARMUP_CALLS})")
     s.add_argument("--threads", type=_positive_int,
                    help="CPU threads of every trial, fixed and recorded (default: torch's default here)")
     s.add_argument("--min-psnr", type=_min_psnr, default="auto", metavar="DB",
@@ -388,16 +387,19 @@ def _resolve_device(name: str) -> str:
 def _study_name(spec, workload, budget, device, space, margin: int, threads: int, min_psnr) -> str:
     from .sizes import short_size
 
-    # What the stored results depend on: a change starts another study instead of mixing them.
+    # What the stored results depend on: a change starts another study instead of mixing them. The
+    # device's type only, as a study holds it (study.DEFINING): cuda and cuda:1 name one study, which
+    # any GPU of its model may join.
+    device_type = device.split(":")[0]
     ident = json.dumps(
-        [spec.to_dict(), workload.to_dict(), budget, margin, threads, min_psnr, device,
+        [spec.to_dict(), workload.to_dict(), budget, margin, threads, min_psnr, device_type,
          [[d.name, list(d.choices), d.when] for d in space.dimensions], space.forbid],
         sort_keys=True, default=str,
     )
     digest = hashlib.sha1(ident.encode()).hexdigest()[:8]
     w = workload
     kind = "-random" if spec.kind == "random" else ""
-    return (f"{Path(spec.name).name}{kind}-{device.replace(':', '')}-{short_size(budget)}"
+    return (f"{Path(spec.name).name}{kind}-{device_type}-{short_size(budget)}"
             f"-{w.height}x{w.width}-{w.steps}s-b{w.batch_size}-{digest}")
 
 
@@ -498,7 +500,7 @@ def _tune(args, argv: list[str]) -> int:
         storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
         timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
         margin=args.margin,
-        repeats=args.repeats, max_calls=args.max_calls or max(MAX_CALLS, args.repeats), spread_limit=args.spread,
+        repeats=args.repeats, max_calls=args.max_calls or max(MAX_TIMED_CALLS, args.repeats), spread_limit=args.spread,
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
@@ -874,8 +876,8 @@ def _profile_command(argv: list[str]) -> int:
         p.add_argument("--device", help="where to replay it (default: where it was measured)")
         p.add_argument("--repeats", type=_positive_int,
                        help="timed calls at least (default: as many as the profile was measured with)")
-        p.add_argument("--trial-timeout", type=_positive_float, default=1200.0, metavar="SECONDS",
-                       help="kill the replay after this long (default: 1200)")
+        p.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",
+                       help=f"kill the replay after this long (default {TRIAL_TIMEOUT_S:g})")
     args = p.parse_args(argv[1:])
     import warnings
 

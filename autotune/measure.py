@@ -300,7 +300,17 @@ def cut_short(warm_times: list[float], bound: float | None, first_warm_call: int
     return None
 
 
-def warm_up(call, device: str, min_calls: int = 1, max_calls: int = 5, steady: float = STEADY,
+# How a trial is timed unless told otherwise: the one place these defaults are written (the CLI's
+# options, TuneRequest, worker.trial_request and the timing loops below read them).
+WARMUP_CALLS = 1  # untimed calls at least
+MAX_WARMUP_CALLS = 5  # untimed calls at most, while two in a row disagree by over STEADY
+TIMED_CALLS = 3  # timed calls at least, and the window whose spread must be under SPREAD_LIMIT
+MAX_TIMED_CALLS = 10  # timed calls at most
+SPREAD_LIMIT = 0.05  # (max - min) / median of the last TIMED_CALLS calls
+TRIAL_TIMEOUT_S = 1200.0  # a trial (or a replay) is killed after this long
+
+
+def warm_up(call, device: str, min_calls: int = WARMUP_CALLS, max_calls: int = MAX_WARMUP_CALLS, steady: float = STEADY,
             slow_above_s: float | None = None, first_warm_call: int | None = None):
     """Call until two calls in a row take times within `steady` of each other (compilation,
     cuDNN autotuning and allocator growth happen in the first calls), at least `min_calls` and at
@@ -373,9 +383,9 @@ def busy_cores(measured: dict) -> float | None:
 def timed_calls(
     call,
     device: str,
-    min_calls: int = 3,
-    max_calls: int = 10,
-    spread_limit: float = 0.05,
+    min_calls: int = TIMED_CALLS,
+    max_calls: int = MAX_TIMED_CALLS,
+    spread_limit: float = SPREAD_LIMIT,
 ) -> dict:
     """Timed calls until the median is stable: the last `min_calls` calls lie within
     `spread_limit` of their median, or `max_calls` is reached. On a CPU, beside them, how many of

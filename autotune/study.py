@@ -38,7 +38,7 @@ from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import count, counts_text
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline
-from .measure import busy_cores
+from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
 from .space import SearchSpace, config_key
@@ -69,12 +69,12 @@ class TuneRequest:
     workdir: Path  # per-trial request/result/log files
     timeout_s: float | None = None
     patience: int | None = None  # stop when the best has not improved (by 1%) for this many trials
-    trial_timeout_s: float = 1200.0
+    trial_timeout_s: float = TRIAL_TIMEOUT_S
     margin: str = "0"  # safety margin ("5%", "512MB"): a config fits when peak + margin <= budget
-    repeats: int = 3  # timed calls at least, and the window whose spread must be under spread_limit
-    max_calls: int = 10  # timed calls at most
-    spread_limit: float = 0.05
-    warmup: int = 1  # warm-up calls at least (more until two in a row agree)
+    repeats: int = TIMED_CALLS  # timed calls at least, and the window whose spread must be under spread_limit
+    max_calls: int = MAX_TIMED_CALLS  # timed calls at most
+    spread_limit: float = SPREAD_LIMIT
+    warmup: int = WARMUP_CALLS  # warm-up calls at least (more until two in a row agree)
     threads: int | None = None
     compile_cache_dir: Path | None = None  # inductor cache shared by the study's trials
     # Quality guard: "auto" (calibrated per study on what bfloat16 alone does), a PSNR in dB, or

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from . import measure
 from .errors import AutotuneError
 
 _T0 = time.perf_counter()
@@ -35,8 +36,9 @@ CRASHED = "crashed"  # set by the parent
 
 
 def trial_request(
-    spec, config: dict, workload, device: str, *, capability=None, warmup: int = 1, max_warmup: int = 5,
-    repeats: int = 3, max_calls: int = 10, spread_limit: float = 0.05, cut_above_s: float | None = None,
+    spec, config: dict, workload, device: str, *, capability=None, warmup: int = measure.WARMUP_CALLS,
+    max_warmup: int = measure.MAX_WARMUP_CALLS, repeats: int = measure.TIMED_CALLS,
+    max_calls: int = measure.MAX_TIMED_CALLS, spread_limit: float = measure.SPREAD_LIMIT, cut_above_s: float | None = None,
     threads: int | None = None, compile_cache_dir=None, output_path=None, profile=None, **marks,
 ) -> dict:
     """What the child process of a trial is asked to do (`run` reads it; it travels as JSON): the

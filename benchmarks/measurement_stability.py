@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from autotune import runner, worker
+from autotune import measure, runner, worker
 from autotune.knobs import Target, baseline, build_configured, complete
 from autotune.models import resolve_model
 
@@ -112,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--model", default="tiny-sdxl")
     parser.add_argument("--trials", type=int, default=5, help="separate trials per configuration")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=measure.TIMED_CALLS)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--series", type=int, default=0, metavar="N",
                         help="instead of trials: N calls in a row in this process, and their drift")

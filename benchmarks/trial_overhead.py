@@ -14,7 +14,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from autotune import runner, worker
+from autotune import measure, runner, worker
 from autotune.knobs import baseline
 from autotune.models import resolve_model
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--model", default="tiny-sdxl")
     parser.add_argument("--trials", type=int, default=5, help="trials per launcher")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=measure.TIMED_CALLS)
     args = parser.parse_args()
 
     spec = resolve_model(args.model)

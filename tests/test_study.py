@@ -838,6 +838,20 @@ def test_any_gpu_of_the_studys_model_may_join_it():
         study._refuse_another_request(shared, {**held, "budget_bytes": 3 * 2**30})
 
 
+def test_the_default_study_name_is_one_for_any_gpu():
+    """Two commands, --device cuda and --device cuda:1, resume one study by default, as the study
+    takes them for one (above); their names differed ("-cuda-" and "-cuda1-") before."""
+    from autotune.cli import _study_name
+    from autotune.models import resolve_model
+
+    spec = resolve_model("tiny-sd15")
+    space = SearchSpace(SPACE)
+    names = {device: _study_name(spec, spec.default_workload, 2**30, device, space, margin=0, threads=2, min_psnr="auto")
+             for device in ("cuda", "cuda:0", "cuda:1", "cpu")}
+    assert names["cuda"] == names["cuda:0"] == names["cuda:1"] and "-cuda-" in names["cuda"]
+    assert names["cpu"] != names["cuda"]
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_an_in_memory_sqlite_storage_works(url):
     import optuna
