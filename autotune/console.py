@@ -117,6 +117,12 @@ def print_header(out: Console, request, space) -> None:
         out.print(f"  dropped {d}")
 
 
+# TrialRecord.ruled_out_by's reasons: (as a trial's line says it, as the summary counts it)
+RULED_OUT_SAID = {"budget": ("over budget", "over the budget"),
+                  "quality": ("quality below --min-psnr", "that fit below the quality guard"),
+                  "failed again": ("failed when measured again", "that fit failed when measured again")}
+
+
 class TrialProgress:
     """A live bar (trial count, current best, ETA) and one line per finished trial."""
 
@@ -155,8 +161,7 @@ class TrialProgress:
             if q:
                 what += f", {q['psnr_db']:.1f} dB"
             if record.ruled_out_by:
-                what += {"budget": " (over budget)", "quality": " (quality below --min-psnr)",
-                         "failed again": " (failed when measured again)"}[record.ruled_out_by]
+                what += f" ({RULED_OUT_SAID[record.ruled_out_by][0]})"
             if r.get("cut_short"):
                 what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
@@ -220,11 +225,6 @@ def busy_timings(outcome) -> str | None:
             "machine measures anew")
 
 
-# TrialRecord.ruled_out_by's reasons, as the summary counts them
-RULED_OUT_SAID = {"budget": "over the budget", "quality": "that fit below the quality guard",
-                  "failed again": "that fit failed when measured again"}
-
-
 def status_counts(outcome) -> str:
     """How the study's measured trials ended: "ok 6, out_of_memory 2"."""
     return counts_text(outcome.counts.get("by_status", {}))
@@ -275,7 +275,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     # of those that ran: what ruled them out of the pick (an "ok" status says only that it ran),
     # one reason each (TrialRecord.ruled_out_by), as the no-fit error counts them
     by_reason = Counter(r.ruled_out_by for r in outcome.records)
-    ruled_out = [f"{by_reason[reason]} {said}" for reason, said in RULED_OUT_SAID.items() if by_reason[reason]]
+    ruled_out = [f"{by_reason[reason]} {counted}" for reason, (_, counted) in RULED_OUT_SAID.items() if by_reason[reason]]
     statuses = f" ({by_status}{'; of those ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
