@@ -40,6 +40,7 @@ CLASS_COLORS = {
     "ok": "#2ca02c",
     "over budget": "#ff7f0e",
     "low quality": "#bcbd22",  # ran, but its output is too far from the float32 reference
+    "failed again": "#ad494a",  # ran and fit, but a confirmation of it crashed or timed out
     "out_of_memory": "#d62728",
     "unsupported": "#7f7f7f",
     "compile_error": "#9467bd",
@@ -56,7 +57,7 @@ CLASS_COLORS = {
 }
 # How a class is said in the legend and the overview: "ok" beside "ok 16" on the console (every
 # trial that ran) would read as the same count; a study's confirmation phase is one bar.
-CLASS_NAMES = {"ok": "ran and fits", "confirmation": "confirmation phase"}
+CLASS_NAMES = {"ok": "ran and fits", "confirmation": "confirmation phase", "failed again": "failed when measured again"}
 # timeline bars that are not the search's measurements: an interrupted trial's config is queued
 # again and measured in a later trial
 NOT_MEASURED = ("duplicate", "forbidden", "known not to fit", "confirmation", "interrupted")
@@ -156,11 +157,18 @@ def _profile_point(p: dict | None, baseline: bool = False) -> Point | None:
                  peak_memory_bytes=p["peak_memory_bytes"], baseline=baseline, result=dict(p))
 
 
-def trial_class(frozen) -> str | None:
-    """How a trial ended, for the timeline; None for one still running or waiting."""
+# TrialRecord.ruled_out_by's reasons, as the timeline classes a trial that ran
+RULED_OUT_CLASS = {None: "ok", "budget": "over budget", "quality": "low quality", "failed again": "failed again"}
+
+
+def trial_class(frozen, record=None) -> str | None:
+    """How a trial ended, for the timeline; None for one still running or waiting. `record`: the
+    trial as the study's summary reads it (study.record_of), its confirmations included: a trial
+    whose config went over the budget or failed when measured again is classed so, as the summary
+    rules it out, not as its own measurement alone would have it."""
     from optuna.trial import TrialState
 
-    from .study import CONFIRMER, WITHDRAWN, stored_violations
+    from .study import CONFIRMER, WITHDRAWN, record_of
 
     if CONFIRMER in frozen.user_attrs:  # a worker's claim on the confirmation phase: start to end
         return None if frozen.user_attrs.get(WITHDRAWN) else "confirmation"
@@ -179,13 +187,14 @@ def trial_class(frozen) -> str | None:
     if not result:
         return "error"
     if result["status"] == "ok":
-        if attrs.get("violation", 0) <= 0:
-            return "ok"
-        return "over budget" if stored_violations(frozen).get("memory", 0) > 0 else "low quality"
+        return RULED_OUT_CLASS[(record or record_of(frozen)).ruled_out_by]
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 
-def _timeline(trials) -> list[Span]:
+def _timeline(trials, records=()) -> list[Span]:
+    """The trials as timeline bars; `records`: the study's TrialRecords (study.summarize), which
+    class a trial by its confirmations too."""
+    by_number = {r.number: r for r in records}
     starts = [t.datetime_start for t in trials if t.datetime_start]
     if not starts:
         return []
@@ -195,7 +204,7 @@ def _timeline(trials) -> list[Span]:
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
     spans = []
     for t in trials:
-        kind = trial_class(t)
+        kind = trial_class(t, by_number.get(t.number))
         if kind is None or not t.datetime_start or not t.datetime_complete:
             continue
         end, cut = t.datetime_complete, False
@@ -284,7 +293,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
         best=_point(outcome.best) if outcome.best else None,
         baseline=_point(outcome.baseline) if outcome.baseline else None,
-        timeline=_timeline(trials),
+        timeline=_timeline(trials, outcome.records),
         image_root=path.resolve().parent if path else None,
         _trials=[t for t in trials if t.number in measured],
     )
@@ -327,6 +336,14 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
                 continue
             data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
             data.image_root, data.storage = measured.image_root, url
+            picked = measured.best.trial if measured.best else None
+            if data.best.trial is not None and picked != data.best.trial:
+                # measured on after the profile was written (a resume, a worker, confirmations):
+                # the charts show the study's trials beside a best it no longer picks
+                now = f"trial {picked} ({measured.best.latency_s:.3f} s)" if measured.best else "no configuration"
+                data.notes.append(f"{path.name}: its study picks {now} now, not the profile's trial {data.best.trial} "
+                                  f"({data.best.latency_s:.3f} s): it was measured further after the profile was "
+                                  f"written; autotune export --study-name {study['name']} writes its pick")
             break
         else:
             data.notes.append(f"{path.name}: trials not shown ({'; '.join(failures)})")

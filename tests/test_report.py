@@ -84,8 +84,11 @@ def expected(url, name):
             kind = "duplicate"
         elif t.user_attrs["result"]["status"] != "ok":
             kind = t.user_attrs["result"]["status"]
-        else:
-            kind = "ok" if t.user_attrs["violation"] <= 0 else "over budget"
+        else:  # as the summary rules the config out: its confirmations too
+            runs = [{"status": "ok", "violation": t.user_attrs["violation"]}] + again.get(str(t.number), [])
+            judged = [r for r in runs if r["status"] in ("ok", "out_of_memory")]  # a crash says nothing of memory
+            kind = ("over budget" if any(r["violation"] > 0 for r in judged) else
+                    "failed again" if len(judged) < len(runs) else "ok")
         timeline[t.number] = kind
     ok = [t for t in measured if t.user_attrs["result"]["status"] == "ok"]
     return {
@@ -349,6 +352,26 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     # not 8 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
     assert "confirmation phase (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_the_timeline_classes_a_trial_as_its_confirmations_rule_its_config_out(tmp_path):
+    """A trial that fit, whose config went over the budget or crashed when measured again, is not
+    "ran and fits" on the timeline: the summary (and the console) rule it out (it was before)."""
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    study = optuna.load_study(study_name="synthetic", storage=url)
+    fitted = {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * 2**20, "violation": -0.5}
+    study.set_user_attr("confirmations", {
+        "0": [fitted, {**fitted, "violation": 0.1}],  # the baseline, over the budget once
+        "1": [fitted, {"status": "crashed", "latency_s": None, "peak_memory_bytes": None, "violation": 1.0}],
+    })
+    (data,) = report.load(f"synthetic@{url}")
+    spans = {sp.trial: sp.kind for sp in data.timeline}
+    assert spans[0] == "over budget" and spans[1] == "failed again"
+    assert data.best is None and "failed when measured again" in data.no_best
+    legend = [t.get_text() for t in report.plot_timeline([data]).axes[0].get_legend().get_texts()]
+    assert "failed when measured again (1)" in legend and not any(t.startswith("ran and fits") for t in legend)
 
 
 def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path):
@@ -829,6 +852,26 @@ def test_a_profiles_relative_storage_is_found_beside_it_when_here_holds_another(
     (loaded,) = report.load([str(profile)])
     assert loaded.notes == [] and loaded.timeline
     assert loaded.storage.endswith(str(tmp_path / "tuned-here" / "autotune-studies" / "studies.db"))
+
+
+def test_a_profile_whose_study_picks_another_config_now_says_so(studies, tmp_path):
+    """A study measured on after its profile was written (resumed, a worker, confirmations) may
+    pick another config: the report drew the study's trials beside the profile's best in silence."""
+    from autotune import report
+
+    folder, url = studies
+    profile = profile_recording(studies, tmp_path / "p.yaml", url)
+    (loaded,) = report.load([str(profile)])
+    assert loaded.notes == [] and loaded.points  # its study's trials, and its pick
+    doc = yaml.safe_load(profile.read_text())
+    picked = doc["best"]["trial"]
+    other = next(p.trial for p in loaded.points if p.trial != picked)
+    doc["best"]["trial"] = other  # as a profile written when the study picked another trial
+    profile.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (loaded,) = report.load([str(profile)])
+    assert len(loaded.notes) == 1
+    assert loaded.notes[0].startswith(f"p.yaml: its study picks trial {picked} (")
+    assert f"not the profile's trial {other}" in loaded.notes[0] and "autotune export --study-name roomy" in loaded.notes[0]
 
 
 def test_fronts_turn_to_a_log_latency_scale_when_one_trial_is_far_slower(tmp_path):
