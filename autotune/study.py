@@ -748,6 +748,34 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     on_step = on_step or (lambda text: None)
     measure = measure or measure_in_child(req)
     study, created = open_study(req.storage, req.study_name, req.seed)
+    _hold_the_request(study, req)
+    if not created:  # a resume, or a worker joining: said before anything is measured
+        kept = len(_measured(study))
+        on_step(f"study {req.study_name} exists in this storage: " + (
+            f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
+            else "no trial measured yet, the search starts there"))
+    warm = _queue_baseline_and_warm_start(study, req, created, on_step)
+    # The seeds are queued once per study, by the run that finds them not queued yet: the one that
+    # created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL) before it
+    # queued them. (A study of an autotune before the mark: its seed trials say so.)
+    seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
+        t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
+    # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
+    # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
+    seeds_in_bfloat16 = seeds_pending and "float32" in req.space.choices_of("dtype") and any(
+        s.get("dtype") == "bfloat16" for s in req.space.seed_configs())
+    calibration = _calibrate(study, req, measure, on_step, seeds_in_bfloat16)
+    # Seeds go in after the calibration, whose two calls say which precision is fast here. A run
+    # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
+    # queues them. Read again: a worker that joined while another calibrated found them pending too.
+    if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
+        _queue_seeds(study, req, calibration, warm)
+    return study
+
+
+def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
+    """Refuse a worker whose device model or request (DEFINING) differs from what the study holds;
+    record them in a new study."""
     if req.hardware:
         held = study.user_attrs.get("hardware")
         if held and held != req.hardware:
@@ -760,11 +788,11 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
             study.set_user_attr("machine", req.machine)
     _refuse_another_request(study, _request_attr(req))
     study.set_user_attr("request", _request_attr(req))
-    if not created:  # a resume, or a worker joining: said before anything is measured
-        kept = len(_measured(study))
-        on_step(f"study {req.study_name} exists in this storage: " + (
-            f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
-            else "no trial measured yet, the search starts there"))
+
+
+def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, created: bool,
+                                   on_step: Callable[[str], None]) -> list[Config]:
+    """Queue the baseline (in a new study) and the --warm-start configs; returns those queued."""
     space = req.space
     if created:
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
@@ -778,22 +806,17 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         on_step(f"warm start: {count(len(warm), 'config')} of the earlier front measured first, after the "
                 "baseline (unless measured already)" + (f"; {left} left out: the baseline, forbidden here, "
                                                          "or the same once reduced to this space" if left else ""))
+    return warm
 
+
+def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step: Callable[[str], None],
+               seeds_in_bfloat16: bool) -> dict:
+    """The reference calls where they are due, and their record: the quality guard's threshold and
+    this machine's reference output, and the float32 and bfloat16 call times machine_seeds reads
+    (`seeds_in_bfloat16`: the seeds wait on them). This run's calls, or those the study kept (a
+    run that made them may have stopped before it queued the seeds)."""
     guard = study.user_attrs.get("quality_guard")
-    # The seeds are queued once per study, by the run that finds them not queued yet: the one that
-    # created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL) before it
-    # queued them. (A study of an autotune before the mark: its seed trials say so.)
-    seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
-        t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
-    # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
-    # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
-    seeds_in_bfloat16 = seeds_pending and "float32" in space.choices_of("dtype") and any(
-        s.get("dtype") == "bfloat16" for s in space.seed_configs())
-    # the reference calls' record, with the float32 and bfloat16 calls' times for machine_seeds:
-    # this run's, or the one the study kept (a run that made the calls may have stopped before
-    # it queued the seeds)
-    calibration = None
-    kept_calibration = guard or study.user_attrs.get("precision_probe") or {}
+    kept = guard or study.user_attrs.get("precision_probe") or {}
     if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
         # Each machine keeps its own reference output (the study may be shared), made again
         # when missing or cut short; the threshold is the study's, set by the first worker
@@ -803,29 +826,32 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         calibration = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
         if guard is None:
             study.set_user_attr("quality_guard", calibration)
-    elif seeds_in_bfloat16 and not kept_calibration.get("bfloat16_call_s"):
+        return calibration
+    if seeds_in_bfloat16 and not kept.get("bfloat16_call_s"):
         # the two calls for their times alone: no guard, or one whose calls did not time bfloat16
         on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
         try:
             calibration = reference_calls(req, measure, threshold=False, time_bfloat16=True)
             study.set_user_attr("precision_probe", calibration)
+            return calibration
         except AutotuneError:
             pass  # the seeds keep their precision; the baseline trial shows what fails here
-    # Seeds go in after the calibration, whose two calls say which precision is fast here. A run
-    # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
-    # queues them. Read again: a worker that joined while another calibrated found them pending too.
-    if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
-        seeds, note = machine_seeds(space, calibration or kept_calibration, req.budget_bytes - req.margin_bytes,
-                                    cpu=not req.target.is_cuda)
-        keys = {config_key(c) for c in warm}
-        for config in seeds:
-            if config_key(config) not in keys:
-                # skip_if_exists: two workers that both found them pending queue each once
-                study.enqueue_trial(space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
-        if note:
-            study.set_user_attr("seed_note", note)
-        study.set_user_attr(SEEDS_QUEUED, True)
-    return study
+    return kept
+
+
+def _queue_seeds(study: optuna.Study, req: TuneRequest, calibration: dict, warm: list[Config]) -> None:
+    """Queue the space's seeds as this machine takes them (machine_seeds), but those the warm start
+    queued already, and mark them queued."""
+    seeds, note = machine_seeds(req.space, calibration, req.budget_bytes - req.margin_bytes,
+                                cpu=not req.target.is_cuda)
+    keys = {config_key(c) for c in warm}
+    for config in seeds:
+        if config_key(config) not in keys:
+            # skip_if_exists: two workers that both found them pending queue each once
+            study.enqueue_trial(req.space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
+    if note:
+        study.set_user_attr("seed_note", note)
+    study.set_user_attr(SEEDS_QUEUED, True)
 
 
 # A trial whose last two warm calls (measure.too_slow) are this much slower than the fastest feasible trial so
@@ -987,10 +1013,9 @@ def tune(
     measure = measure or measure_in_child(req)
     study = prepare(req, measure, on_step)
     storage = study._storage  # Optuna keeps no public handle for heartbeats in ask-and-tell
-    space = req.space
     guard = study.user_attrs.get("quality_guard")
     min_psnr_db = guard["min_psnr_db"] if req.min_psnr_db and guard else None
-    n_configs = len(space.configs())
+    n_configs = len(req.space.configs())
     deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None  # --timeout
     unmeasured_in_a_row = 0
     twins_in_a_row = 0  # proposals of a config another worker is measuring
@@ -1002,28 +1027,15 @@ def tune(
         # One read of the storage for what this pass decides on: measured, known not to fit
         # without measuring, being measured by others, the records repair and patience judge.
         outcome = summarize(study)
-        done: dict[str, int] = {}
+        done = {}
         for record in outcome.records:
             done.setdefault(config_key(record.config), record.number)
         ruled_out = {t.user_attrs["config_key"] for t in outcome.trials
                      if t.state == TrialState.PRUNED and "dominated_by" in t.user_attrs}
         others = _in_flight(outcome.trials)
         settled = set(done) | ruled_out
-        if len(done) >= req.trials:
-            reason = f"{count(len(done), 'trial')} measured (--trials {req.trials})"
-            waiting = [t for t in outcome.trials if t.state == TrialState.WAITING]
-            if waiting:  # a --warm-start given to a study that holds its trials: not lost, said
-                reason += f"; {count(len(waiting), 'queued config')} not measured: raise --trials to measure them"
-            break
-        if len(settled) >= n_configs:
-            reason = (f"every one of the space's {n_configs} configurations is measured or known "
-                      "not to fit")
-            break
-        if _past(deadline):
-            reason = f"--timeout {req.timeout_s:g} s reached"
-            break
-        if unmeasured_in_a_row >= MAX_UNMEASURED_IN_A_ROW:
-            reason = "the sampler keeps proposing configurations measured already, forbidden or known not to fit"
+        reason = _why_stop(req, outcome, len(done), len(settled), n_configs, deadline, unmeasured_in_a_row)
+        if reason:
             break
         if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
@@ -1045,27 +1057,14 @@ def tune(
             trial = _ask(study)
         _heartbeat(storage, trial)  # at once: a parent killed before its first tick leaves a stale trial
         trial.set_user_attr(PROCESS, storages.this_process(trial.number))
-        config = space.suggest(trial)
+        config = req.space.suggest(trial)
         key = config_key(config)
         trial.set_user_attr("config", config)
         trial.set_user_attr("config_key", key)
         trial.set_user_attr("worker", WORKER)
 
-        forbidden = space.forbidden(config)
-        if forbidden:
-            _record(trial, BROKEN)
-            trial.set_user_attr("forbidden", forbidden)
-            study.tell(trial, state=TrialState.PRUNED)
-            unmeasured_in_a_row += 1
-            continue
-        # Another worker may have drawn the same config a moment ago. Each writes its key before
-        # it looks (above), so of two racing trials the one that wrote later sees the other, and
-        # steps back; its number says nothing about when it wrote. When both wrote before either
-        # looked, both step back, and the config is proposed again later.
-        twin = _in_flight(_running(study), besides=trial.number).get(key)
-        if twin is not None:
-            trial.set_user_attr("duplicate_of_running", twin)
-            study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
+        settled_as = _settle_without_measuring(req.space, study, trial, config, outcome.records)
+        if settled_as == "measured elsewhere now":
             # Not a config measured already (the space is not spent): another worker is measuring
             # it, and the sampler, which counts it as a bad one while it runs, may propose it
             # again. A pause, not a spin to MAX_UNMEASURED_IN_A_ROW within seconds; proposed
@@ -1073,79 +1072,21 @@ def tune(
             # trial in the storage).
             twins_in_a_row += 1
             time.sleep(1.0)
-            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and twin in _in_flight(_running(study)).values() and not _past(deadline):
+            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and key in _in_flight(_running(study)) and not _past(deadline):
                 time.sleep(1.0)
                 _fail_stale_trials(study)  # its worker may be gone
             continue
         twins_in_a_row = 0
-        # Read the measured configs again, after the running ones: a twin that finished since
-        # the top of the loop is running no more, and only this second read sees it done.
-        done = _measured(study)
-        if key in done:
-            earlier = study.trials[done[key]]
-            trial.set_user_attr("result", earlier.user_attrs["result"])
-            _record(trial, **stored_violations(earlier))
-            trial.set_user_attr("duplicate_of", earlier.number)
-            study.tell(trial, earlier.value)
-            unmeasured_in_a_row += 1
-            continue
-        so_far = outcome.records  # this pass's read: a trial another worker ends meanwhile counts next pass
-        dominated_by = memory_dominated(config, so_far)
-        if dominated_by is not None:
-            _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
-            trial.set_user_attr("dominated_by", dominated_by.number)
-            study.tell(trial, state=TrialState.PRUNED)
+        if settled_as:
             unmeasured_in_a_row += 1
             continue
         unmeasured_in_a_row = 0
 
-        trial_dir = req.workdir / f"trial-{trial.number:05d}"
-        fastest = min((r.latency_s for r in so_far if r.feasible), default=None)
-        cut_above_s = CUT_SLOWER_THAN * fastest if fastest else None
-        request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
-        try:
-            result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
-            if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req) \
-                    and not _below_the_guard(result, req, min_psnr_db):
-                again = trial_dir / "again"
-                request = req.trial_request(config, again / "output.npy", cut_above_s=cut_above_s)
-                second = measure(request, again, lambda: _heartbeat(storage, trial))
-                # still disturbed: the neighbour stays, and a second trial each would double the run
-                measure_disturbed_again = busy_cores(second) is None
-                result = _less_disturbed(result, second)
-        except KeyboardInterrupt:
-            # The child is dead already (runner killed its group). Fail this trial and queue
-            # its config again, so the same command resumes by measuring it first.
-            if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
-                study.tell(trial, state=TrialState.FAIL)
-                _queue_again(study, trial)
-            raise
-        except optuna.exceptions.UpdateFinishedTrialError:
-            # A heartbeat found the trial given up: this process was paused past the grace period
-            # (Ctrl-Z, a frozen VM) and another worker failed it and queued its config again.
-            # The runner killed the child; the retry measures the config.
-            continue
-        if trial.user_attrs.get("baseline") and did_not_load(result):
-            # Every config starts from this pipeline. Queued again: once the model is mended, the
-            # same command measures it first.
-            study.tell(trial, state=TrialState.FAIL)
-            _queue_again(study, trial)
-            raise model_did_not_load(result, f" (the baseline, trial {trial.number})")
-        if min_psnr_db:
-            result["quality"] = quality.assess(result, req.reference_path)
-        if result.get("output"):  # the PNG stays; the full-precision array was only for assess
-            Path(result.pop("output")).unlink(missing_ok=True)
-        try:
-            trial.set_user_attr("result", result)
-            _record(
-                trial,
-                memory=violation(result, req.budget_bytes, req.margin_bytes),
-                quality=quality.violation(result.get("quality"), min_psnr_db),
-            )
-            latency = result.get("latency_s")
-            study.tell(trial, latency if result["status"] == worker.OK else math.inf)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # given up as stale while it ran (above), where no heartbeat could say so
+        fastest = min((r.latency_s for r in outcome.records if r.feasible), default=None)
+        result, measure_disturbed_again = _measure_trial(
+            req, study, trial, config, measure, fastest, deadline, min_psnr_db, measure_disturbed_again)
+        if result is None or not _tell_measured(req, study, trial, result, min_psnr_db):
+            continue  # given up as stale while it ran: another worker measures its config again
         measured_here += 1
         if on_trial:
             on_trial(record_of(study.trials[trial.number]))
@@ -1164,6 +1105,133 @@ def tune(
     outcome.measured_here = measured_here
     outcome.confirmed_here = confirmed_here
     return outcome
+
+
+def _why_stop(req: TuneRequest, outcome: StudyOutcome, n_done: int, n_settled: int, n_configs: int,
+              deadline: float | None, unmeasured_in_a_row: int) -> str | None:
+    """Why the search stops before asking for another trial (None: it goes on): enough measured
+    trials, the space spent (measured, or known not to fit), --timeout, or a sampler that keeps
+    proposing what needs no measurement. (--patience is judged after a repair is queued.)"""
+    if n_done >= req.trials:
+        reason = f"{count(n_done, 'trial')} measured (--trials {req.trials})"
+        waiting = [t for t in outcome.trials if t.state == TrialState.WAITING]
+        if waiting:  # a --warm-start given to a study that holds its trials: not lost, said
+            reason += f"; {count(len(waiting), 'queued config')} not measured: raise --trials to measure them"
+        return reason
+    if n_settled >= n_configs:
+        return f"every one of the space's {n_configs} configurations is measured or known not to fit"
+    if _past(deadline):
+        return f"--timeout {req.timeout_s:g} s reached"
+    if unmeasured_in_a_row >= MAX_UNMEASURED_IN_A_ROW:
+        return "the sampler keeps proposing configurations measured already, forbidden or known not to fit"
+    return None
+
+
+def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: optuna.Trial, config: Config,
+                              records: list[TrialRecord]) -> str | None:
+    """Tell the trial of a config that needs no measurement, and say why: "forbidden" by the
+    space's rules, "measured elsewhere now" (another worker is measuring it), "measured" already
+    (the earlier result, as a duplicate), "known not to fit" (it saves less memory than a config
+    that ran out of it; `records`: the measured trials as this pass read them). None: measure it."""
+    forbidden = space.forbidden(config)
+    if forbidden:
+        _record(trial, BROKEN)
+        trial.set_user_attr("forbidden", forbidden)
+        study.tell(trial, state=TrialState.PRUNED)
+        return "forbidden"
+    key = config_key(config)
+    # Another worker may have drawn the same config a moment ago. Each writes its key before
+    # it looks (tune), so of two racing trials the one that wrote later sees the other, and
+    # steps back; its number says nothing about when it wrote. When both wrote before either
+    # looked, both step back, and the config is proposed again later.
+    twin = _in_flight(_running(study), besides=trial.number).get(key)
+    if twin is not None:
+        trial.set_user_attr("duplicate_of_running", twin)
+        study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
+        return "measured elsewhere now"
+    # Read the measured configs again, after the running ones: a twin that finished since the
+    # pass's read is running no more, and only this second read sees it done.
+    done = _measured(study)
+    if key in done:
+        earlier = study.trials[done[key]]
+        trial.set_user_attr("result", earlier.user_attrs["result"])
+        _record(trial, **stored_violations(earlier))
+        trial.set_user_attr("duplicate_of", earlier.number)
+        study.tell(trial, earlier.value)
+        return "measured"
+    # this pass's read: a trial another worker ends meanwhile counts next pass
+    dominated_by = memory_dominated(config, records)
+    if dominated_by is not None:
+        _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
+        trial.set_user_attr("dominated_by", dominated_by.number)
+        study.tell(trial, state=TrialState.PRUNED)
+        return "known not to fit"
+    return None
+
+
+def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, config: Config, measure: Measure,
+                   fastest: float | None, deadline: float | None, min_psnr_db: float | None,
+                   measure_disturbed_again: bool) -> tuple[dict | None, bool]:
+    """Measure a trial's config in a child (again, once, where busy neighbours may have cost it
+    the race), beating the trial's heartbeat meanwhile. Returns (its result, whether a disturbed
+    trial is still worth measuring again); the result is None where the trial was given up as
+    stale meanwhile. A Ctrl-C fails the trial and queues its config again, for the same command
+    to measure it first."""
+    storage = study._storage
+    trial_dir = req.workdir / f"trial-{trial.number:05d}"
+    cut_above_s = CUT_SLOWER_THAN * fastest if fastest else None
+    request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
+    try:
+        result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
+        if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req) \
+                and not _below_the_guard(result, req, min_psnr_db):
+            again = trial_dir / "again"
+            request = req.trial_request(config, again / "output.npy", cut_above_s=cut_above_s)
+            second = measure(request, again, lambda: _heartbeat(storage, trial))
+            # still disturbed: the neighbour stays, and a second trial each would double the run
+            measure_disturbed_again = busy_cores(second) is None
+            result = _less_disturbed(result, second)
+    except KeyboardInterrupt:
+        # The child is dead already (runner killed its group).
+        if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
+            study.tell(trial, state=TrialState.FAIL)
+            _queue_again(study, trial)
+        raise
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # A heartbeat found the trial given up: this process was paused past the grace period
+        # (Ctrl-Z, a frozen VM) and another worker failed it and queued its config again.
+        # The runner killed the child; the retry measures the config.
+        return None, measure_disturbed_again
+    return result, measure_disturbed_again
+
+
+def _tell_measured(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, result: dict,
+                   min_psnr_db: float | None) -> bool:
+    """Record a measured trial: its quality against the reference, its constraints, its latency
+    told to the sampler. False where it was given up as stale while it ran (no heartbeat could
+    say so). A baseline that did not load stops the run (ModelLoadError): every config starts
+    from that pipeline."""
+    if trial.user_attrs.get("baseline") and did_not_load(result):
+        # Queued again: once the model is mended, the same command measures it first.
+        study.tell(trial, state=TrialState.FAIL)
+        _queue_again(study, trial)
+        raise model_did_not_load(result, f" (the baseline, trial {trial.number})")
+    if min_psnr_db:
+        result["quality"] = quality.assess(result, req.reference_path)
+    if result.get("output"):  # the PNG stays; the full-precision array was only for assess
+        Path(result.pop("output")).unlink(missing_ok=True)
+    try:
+        trial.set_user_attr("result", result)
+        _record(
+            trial,
+            memory=violation(result, req.budget_bytes, req.margin_bytes),
+            quality=quality.violation(result.get("quality"), min_psnr_db),
+        )
+        latency = result.get("latency_s")
+        study.tell(trial, latency if result["status"] == worker.OK else math.inf)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    return True
 
 
 # ---- confirmation ---------------------------------------------------------------------------------
