@@ -404,19 +404,70 @@ def _study_name(spec, workload, budget, device, space, margin: int, threads: int
 
 
 def _tune(args, argv: list[str]) -> int:
-    from dataclasses import replace
-
     from . import console, fingerprint
-    from .errors import AutotuneError
     from .knobs import Target
-    from .models import FAMILIES, check_weights_here, resolve_model
+    from .models import check_weights_here, resolve_model
     from .runner import default_launcher
-    import torch
-
-    from .sizes import format_size, parse_margin
-    from .space import SearchSpace
     from .study import TuneRequest, tune
 
+    _check_contradictions(args)
+    spec = resolve_model(args.model, random_weights=args.random_weights)
+    if args.gpus:
+        _check_gpus(args.gpus)
+    device = _resolve_device("cuda" if args.gpus else args.device)
+    # the GPU whose facts (capability, model, memory) the study records: the first of --gpus,
+    # as its workers see it, not GPU 0, which --gpus may leave out (all of --gpus are one model)
+    measured_on = f"cuda:{args.gpus[0]}" if args.gpus else device
+    workload = _workload_from(args, spec)
+    target = Target(device=device, family=spec.family, capability=fingerprint.capability(measured_on), workload=workload)
+    space = _space_here(args, spec, target)
+    if args.list_knobs:
+        console.print_space(space, target)
+        return 0
+    check_weights_here(spec)
+
+    machine = {**fingerprint.machine(measured_on), "device": device}
+    budget, margin, threads = _budget_margin_threads(args, machine)
+    if args.study_name is not None:
+        _check_study_name(args.study_name)
+    storage, output = _storage_and_output(args, spec, budget)
+    study_name = args.study_name or _study_name(spec, workload, budget, device, space,
+                                                margin=margin, threads=threads, min_psnr=args.min_psnr)
+    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
+    request = TuneRequest(
+        spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
+        storage=storage, study_name=study_name, trials=args.trials, workdir=args.workdir / "trials" / study_name,
+        timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
+        margin=args.margin,
+        repeats=args.repeats, max_calls=args.max_calls or max(MAX_TIMED_CALLS, args.repeats), spread_limit=args.spread,
+        warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=args.min_psnr or None,
+        launcher=args.launcher or default_launcher(device),
+        compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
+        warm_start=_warm_start_configs(args.warm_start, storage, spec.name),
+        hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
+    )
+    earlier = {} if args.study_name else _earlier_studies(request)
+    if not args.no_profile and not args.output:
+        _check_default_output_is_this_studys(output, study_name, earlier)
+    out = console.terminal()
+    console.print_header(out, request, space)
+    _print_notes(out, request, machine, earlier)
+    if args.gpus:
+        return _tune_on_gpus(out, request, args, argv, output)
+    try:  # to the profile's rename: stopped while it is written, the same command writes it
+        with console.TrialProgress(out, request.trials) as progress:
+            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
+        console.print_summary(out, outcome, budget, request.margin_bytes)
+        console.print_share(out, outcome)
+        return _write_profile(out, request, outcome, output)
+    except KeyboardInterrupt:
+        _print_interrupted(storage, study_name)
+        return EXIT_INTERRUPTED
+
+
+def _check_contradictions(args) -> None:
+    """Options that contradict each other, refused before anything is loaded; a --gpus worker's
+    own options (whatever its parent's command held) set."""
     if args.as_gpus_worker:
         args.gpus, args.output, args.no_profile = None, None, True
     if not args.model.strip():
@@ -429,22 +480,29 @@ def _tune(args, argv: list[str]) -> int:
                          "least --repeats timed calls")
     if args.gpus and args.device not in ("auto", "cuda"):
         raise UsageError(f"--gpus runs every worker on a GPU: --device {args.device} contradicts it")
-    spec = resolve_model(args.model, random_weights=args.random_weights)
-    if args.gpus:
-        _check_gpus(args.gpus)
-    device = _resolve_device("cuda" if args.gpus else args.device)
-    # the GPU whose facts (capability, model, memory) the study records: the first of --gpus,
-    # as its workers see it, not GPU 0, which --gpus may leave out (all of --gpus are one model)
-    measured_on = f"cuda:{args.gpus[0]}" if args.gpus else device
-    workload = spec.default_workload
+
+
+def _workload_from(args, spec):
+    """The model's default workload, with the size, steps, batch, prompt and seed given."""
+    from dataclasses import replace
+
+    from .models import FAMILIES
+
     overrides = {k: getattr(args, k) for k in ("height", "width", "steps", "batch_size", "prompt", "seed")}
-    workload = replace(workload, **{k: v for k, v in overrides.items() if v is not None})
+    workload = replace(spec.default_workload, **{k: v for k, v in overrides.items() if v is not None})
     _check_image_size(spec, workload)
     try:  # what no pipeline call could run (a seed torch's generator refuses)
         workload.check(FAMILIES[spec.family].pixel_multiple)
     except ValueError as exc:
         raise UsageError(f"--{exc}") from None
-    target = Target(device=device, family=spec.family, capability=fingerprint.capability(measured_on), workload=workload)
+    return workload
+
+
+def _space_here(args, spec, target):
+    """The search space (--space, or the model family's) restricted to this machine; an error
+    where it leaves nothing to search (unless --list-knobs, which shows why)."""
+    from .errors import AutotuneError
+    from .space import SearchSpace
 
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace.for_model(spec)
     if args.gpus:  # restricted as each worker sees the machine: its GPU alone (no balanced placement)
@@ -454,17 +512,22 @@ def _tune(args, argv: list[str]) -> int:
             space = space.restrict(target)
     else:
         space = space.restrict(target)
-    if args.list_knobs:
-        console.print_space(space, target)
-        return 0
-    if not space.dimensions:  # the baseline alone: a study would measure it and call it the best
+    if not space.dimensions and not args.list_knobs:  # the baseline alone: a study would call it the best
         if not space.dropped:
             raise AutotuneError(f"search space {space.source}: it lists no choice beyond the baseline's")
         raise AutotuneError(f"search space {space.source}: no choice to search on this machine "
                             f"({'; '.join(map(str, space.dropped))}); see --list-knobs")
-    check_weights_here(spec)
+    return space
 
-    machine = {**fingerprint.machine(measured_on), "device": device}
+
+def _budget_margin_threads(args, machine: dict) -> tuple[int, int, int]:
+    """The budget in bytes (the device's memory without --vram), the margin in bytes, and the CPU
+    threads of every trial; a usage error where nothing could fit or the cores are too few."""
+    import torch
+
+    from . import fingerprint
+    from .sizes import format_size, parse_margin
+
     # no --vram: the machine's memory, in whole MiB, so that the profile's name stays short
     budget = args.budget or machine["memory_bytes"] // 2**20 * 2**20
     margin = parse_margin(args.margin, budget)
@@ -475,8 +538,12 @@ def _tune(args, argv: list[str]) -> int:
     cores = fingerprint.usable_cores()
     if threads > cores:  # every call would fight for the cores: trials time out, nothing is learnt
         raise UsageError(f"--threads {threads}: autotune may use {cores} CPU cores here")
-    if args.study_name is not None:
-        _check_study_name(args.study_name)
+    return budget, margin, threads
+
+
+def _storage_and_output(args, spec, budget: int) -> tuple[str, Path | None]:
+    """The storage URL and the profile's path (None with --no-profile), each checked before a
+    trial: the work folder takes files, the storage keeps them, the profile's path takes one."""
     # The trials' files and compile cache live here even with --storage: check it before a trial.
     _check_folder(args.workdir)  # and makes it, for SQLite to create its file in
     storage = args.storage or default_storage(args.workdir)
@@ -489,48 +556,23 @@ def _tune(args, argv: list[str]) -> int:
 
         _check_not_the_storage(output, storage)
         check_writable(output)
-    min_psnr = args.min_psnr
-    study_name = args.study_name or _study_name(spec, workload, budget, device, space,
-                                                margin=margin, threads=threads, min_psnr=min_psnr)
-    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
-    workdir = args.workdir / "trials" / study_name
+    return storage, output
 
-    request = TuneRequest(
-        spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
-        storage=storage, study_name=study_name, trials=args.trials, workdir=workdir,
-        timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
-        margin=args.margin,
-        repeats=args.repeats, max_calls=args.max_calls or max(MAX_TIMED_CALLS, args.repeats), spread_limit=args.spread,
-        warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=min_psnr or None,
-        launcher=args.launcher or default_launcher(device),
-        compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
-        warm_start=_warm_start_configs(args.warm_start, storage, spec.name),
-        hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
-    )
-    earlier = {} if args.study_name else _earlier_studies(request)
-    if not args.no_profile and not args.output:
-        _check_default_output_is_this_studys(output, study_name, earlier)
-    out = console.terminal()
-    console.print_header(out, request, space)
-    if budget - margin > machine["memory_bytes"]:  # allowed (a budget for a bigger machine), but nothing binds here
-        whose = "this GPU's" if device.startswith("cuda") else "this machine's"
-        out.print(f"note: the budget {format_size(budget)}, less its margin, is more than {whose} memory "
-                  f"({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
+
+def _print_notes(out, request, machine: dict, earlier: dict) -> None:
+    """What the header should add: a budget nothing binds on this machine, and earlier studies
+    of the same model, size and budget measured under other settings."""
+    from . import console
+    from .sizes import format_size
+
+    if request.budget_bytes - request.margin_bytes > machine["memory_bytes"]:  # allowed (a bigger machine's)
+        whose = "this GPU's" if request.target.is_cuda else "this machine's"
+        out.print(f"note: the budget {format_size(request.budget_bytes)}, less its margin, is more than {whose} "
+                  f"memory ({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
     for name, (trials, differences) in earlier.items():
         out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same "
                   f"model, size and budget, measured under other settings ({differences}): this run starts a "
                   f"new study; --warm-start {name} would measure that study's best configurations first")
-    if args.gpus:
-        return _tune_on_gpus(out, request, args, argv, output)
-    try:  # to the profile's rename: stopped while it is written, the same command writes it
-        with console.TrialProgress(out, request.trials) as progress:
-            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
-        console.print_summary(out, outcome, budget, request.margin_bytes)
-        console.print_share(out, outcome)
-        return _write_profile(out, request, outcome, output)
-    except KeyboardInterrupt:
-        _print_interrupted(storage, study_name)
-        return EXIT_INTERRUPTED
 
 
 def _check_image_size(spec, workload) -> None:
