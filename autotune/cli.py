@@ -9,6 +9,7 @@ Every error a user can cause ends as one line on stderr and a non-zero exit code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -313,6 +314,25 @@ def terminate_as_interrupt() -> None:
         signal.signal(signal.SIGHUP, interrupt)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
             signal.signal(signal.SIGINT, interrupt)  # Python's own, and the record that it came
+
+
+def stop_signals_exit_with(code: int) -> None:
+    """Once a command has ended (its trials kept, its profile written or not): a stop signal while
+    the interpreter shuts down (threads, a storage's connections, atexit) exits at once with the
+    command's code. terminate_as_interrupt's handler raised KeyboardInterrupt there, a traceback
+    after the last line, or exit -2 where it came before sys.exit."""
+    import signal
+
+    def exit_now(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed pipe: exit all the same
+                stream.flush()
+        os._exit(code)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # one a script's shell ignores stays so
+                signal.signal(sig, exit_now)
 
 
 # Set by _tune_on_gpus for its workers (and taken out of the environment before their trials start).

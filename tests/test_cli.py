@@ -30,6 +30,24 @@ def one_line_error(proc):
     return lines[0]
 
 
+@pytest.mark.parametrize("args, code", [(["--model", "tiny-sd15", "--list-knobs"], 0), (["--vram", "-1GB"], 2)])
+def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_path, args, code):
+    """A Ctrl-C after the command's last line, while Python shuts down (export's storage
+    connections, threads): it was a KeyboardInterrupt traceback after the output, or exit -2
+    where it came before sys.exit. The command has ended: its code stands."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, os, signal, sys, time
+        from autotune import __main__ as entry
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))
+        sys.argv = ["autotune", *{args!r}]
+        sys.exit(entry.run())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
