@@ -590,9 +590,14 @@ def _print_notes(out, request, machine: dict, earlier: dict) -> None:
         out.print(f"note: the budget {format_size(request.budget_bytes)}, less its margin, is more than {whose} "
                   f"memory ({format_size(machine['memory_bytes'])}): every configuration that runs fits it")
     for name, (trials, differences) in earlier.items():
-        out.print(f"note: this storage holds study {name} ({console.count(trials, 'measured trial')}) of the same "
-                  f"model, size and budget, measured under other settings ({differences}): this run starts a "
-                  f"new study; --warm-start {name} would measure that study's best configurations first")
+        held = f"this storage holds study {name} ({console.count(trials, 'measured trial')})"
+        if differences is None:
+            out.print(f"note: {held} of these very settings, named with its GPU's index as autotune named studies "
+                      f"before: this run starts a new study; --study-name {name} resumes that one")
+            continue
+        out.print(f"note: {held} of the same model, size and budget, measured under other settings "
+                  f"({differences}): this run starts a new study; --warm-start {name} would measure that "
+                  "study's best configurations first")
 
 
 def _check_image_size(spec, workload) -> None:
@@ -633,7 +638,7 @@ def _check_default_output_is_this_studys(output: Path, study_name: str,
         return  # not a profile autotune can read: nothing a server could load is lost
     if held != study_name:
         differences = (earlier or {}).get(held)
-        why = f", measured under other settings ({differences[1]})" if differences else ""
+        why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
         raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
                             f"study {study_name}: name its profile with -o, or move the file away")
 
@@ -642,14 +647,18 @@ def _earlier_studies(request) -> dict[str, tuple[int, str]]:
     """Studies in the request's storage whose default name says the same model, device, budget,
     size, steps and batch as this new, default-named one, but whose settings differ (another
     digest: after an autotune update that changed the shipped space, the same command starts a
-    new study): name -> (measured trials, what differs). Empty when this study exists already,
-    or the storage holds nothing yet."""
+    new study): name -> (measured trials, what differs; None for a study of these very settings
+    named with its GPU's index, as default names were before). Empty when this study exists
+    already, or the storage holds nothing yet."""
     import optuna
 
     from .errors import AutotuneError
     from .study import differences_from, summarize
 
     prefix = request.study_name.rsplit("-", 1)[0] + "-"
+    # before 2026-11-25 a default name held the GPU's index too ("-cuda1-"): such a study is of
+    # this model, size and budget as well
+    before = re.compile(re.escape(prefix).replace(re.escape("-cuda-"), r"-cuda\d+-", 1) + "[0-9a-f]{8}")
     try:
         backend = open_storage(request.storage, existing=True)
         names = optuna.get_all_study_names(backend)
@@ -659,14 +668,17 @@ def _earlier_studies(request) -> dict[str, tuple[int, str]]:
         return {}  # a resume
     out = {}
     for name in names:
-        if not name.startswith(prefix) or len(name) != len(request.study_name):
+        same_prefix = name.startswith(prefix) and len(name) == len(request.study_name)
+        if not same_prefix and not before.fullmatch(name):
             continue
         other = optuna.load_study(study_name=name, storage=backend)
         if not other.user_attrs.get("request"):
             continue  # not autotune's, or set up by no run yet
-        # the name's digest also holds the space's forbid rules, which a study does not record
-        differences = differences_from(other, request) or "the search space's forbid rules"
-        out[name] = (len(summarize(other).records), differences)
+        differences = differences_from(other, request)
+        if not differences and same_prefix:
+            # the name's digest also holds the space's forbid rules, which a study does not record
+            differences = "the search space's forbid rules"
+        out[name] = (len(summarize(other).records), differences or None)  # None: this study, named before
     return out
 
 

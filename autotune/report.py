@@ -18,6 +18,7 @@ scripts and tests can read back what was drawn.
 from __future__ import annotations
 
 import html
+import shlex
 import textwrap
 import warnings
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ CLASS_COLORS = {
     "ok": "#2ca02c",
     "over budget": "#ff7f0e",
     "low quality": "#bcbd22",  # ran, but its output is too far from the float32 reference
-    "failed again": "#ad494a",  # ran and fit, but a confirmation of it crashed or timed out
+    "failed again": "#ad494a",  # ran and fit, but a confirmation of it failed (crashed, timed out, host memory)
     "out_of_memory": "#d62728",
     "unsupported": "#7f7f7f",
     "compile_error": "#9467bd",
@@ -343,7 +344,8 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
                 now = f"trial {picked} ({measured.best.latency_s:.3f} s)" if measured.best else "no configuration"
                 data.notes.append(f"{path.name}: its study picks {now} now, not the profile's trial {data.best.trial} "
                                   f"({data.best.latency_s:.3f} s): it was measured further after the profile was "
-                                  f"written; autotune export --study-name {study['name']} writes its pick")
+                                  f"written; autotune export --study-name {study['name']} --storage "
+                                  f"{shlex.quote(display_url(url))} writes its pick")
             break
         else:
             data.notes.append(f"{path.name}: trials not shown ({'; '.join(failures)})")

@@ -775,7 +775,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
 def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
     """Refuse a worker whose device model or request (DEFINING) differs from what the study holds;
-    record them in a new study."""
+    record the device model where none is held yet, and this run's request (its timing settings
+    may differ from an earlier run's: the latest is kept)."""
     if req.hardware:
         held = study.user_attrs.get("hardware")
         if held and held != req.hardware:
@@ -792,7 +793,8 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
 
 def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, created: bool,
                                    on_step: Callable[[str], None]) -> list[Config]:
-    """Queue the baseline (in a new study) and the --warm-start configs; returns those queued."""
+    """Queue the baseline (in a new study) and the --warm-start configs not queued or measured yet;
+    returns every warm-start config the space keeps (queued now or before: the seeds leave them out)."""
     space = req.space
     if created:
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
@@ -1064,6 +1066,9 @@ def tune(
         trial.set_user_attr("worker", WORKER)
 
         settled_as = _settle_without_measuring(req.space, study, trial, config, outcome.records)
+        if settled_as == "forbidden":  # says nothing of other workers: the twins' count stands
+            unmeasured_in_a_row += 1
+            continue
         if settled_as == "measured elsewhere now":
             # Not a config measured already (the space is not spent): another worker is measuring
             # it, and the sampler, which counts it as a bad one while it runs, may propose it
@@ -1071,13 +1076,14 @@ def tune(
             # again and again, this worker waits for that trial to end (each proposal is a
             # trial in the storage).
             twins_in_a_row += 1
+            twin = trial.user_attrs["duplicate_of_running"]
             time.sleep(1.0)
-            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and key in _in_flight(_running(study)) and not _past(deadline):
+            while twins_in_a_row >= MAX_TWINS_IN_A_ROW and twin in _in_flight(_running(study)).values() and not _past(deadline):
                 time.sleep(1.0)
                 _fail_stale_trials(study)  # its worker may be gone
             continue
         twins_in_a_row = 0
-        if settled_as:
+        if settled_as:  # measured already, or known not to fit
             unmeasured_in_a_row += 1
             continue
         unmeasured_in_a_row = 0

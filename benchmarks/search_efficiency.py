@@ -50,6 +50,7 @@ import optuna
 from autotune import study as study_mod
 from autotune.fingerprint import machine, software
 from autotune.knobs import Target, changed, complete
+from autotune.measure import SPREAD_LIMIT, TIMED_CALLS, WARMUP_CALLS
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import SHIPPED_DIR, Dimension, SearchSpace, config_key
 from autotune.worker import write_json
@@ -472,13 +473,14 @@ def main(argv=None) -> None:
     m.add_argument("--knobs", default=",".join(DEFAULT_KNOBS),
                    help="knobs searched (others at the baseline); '' for the whole space")
     m.add_argument("--out", help="table path (default benchmarks/tables/MODEL-DEVICE.json)")
-    # Cheaper than a tuning run's defaults (one warm-up call, three timed calls: the median of
-    # three) so that every config of the table is measured in about half an hour on 2 cores.
-    m.add_argument("--repeats", type=int, default=3)
-    m.add_argument("--max-calls", type=int, default=3)
-    m.add_argument("--spread", type=float, default=0.05)
-    m.add_argument("--warmup", type=int, default=1)
-    m.add_argument("--max-warmup", type=int, default=1)
+    # A tuning run's defaults, but cheaper: no more timed calls than the window (the median of
+    # its calls) and no second warm-up call, so that every config of the table is measured in
+    # about half an hour on 2 cores.
+    m.add_argument("--repeats", type=int, default=TIMED_CALLS)
+    m.add_argument("--max-calls", type=int, default=TIMED_CALLS)
+    m.add_argument("--spread", type=float, default=SPREAD_LIMIT)
+    m.add_argument("--warmup", type=int, default=WARMUP_CALLS)
+    m.add_argument("--max-warmup", type=int, default=WARMUP_CALLS)
     m.add_argument("--threads", type=int, default=1,
                    help="torch threads per trial: 1 by default, so that other jobs on a shared CPU "
                         "stall one thread instead of a parallel region (2 threads on 2 busy cores ran 13x slower)")

@@ -56,6 +56,7 @@ from datetime import datetime
 from pathlib import Path
 
 from autotune.cli import measurement_defaults
+from autotune.measure import TRIAL_TIMEOUT_S
 from autotune.console import config_changes  # how the CLI names a config's changes
 from autotune.measure import busy_cores
 from autotune.worker import write_json
@@ -79,7 +80,7 @@ GiB = 2**30
 CPU_DEFAULTS = dict(model="sd15", height=128, width=128, steps=2, budgets="auto", trials=16, patience=None,
                     trial_timeout=900.0, paired_rounds=3)
 GPU_DEFAULTS = dict(model="sdxl", height=1024, width=1024, steps=30, budgets="6GB,8GB,12GB,24GB,card",
-                    trials=16, patience=8, trial_timeout=1200.0, paired_rounds=3)
+                    trials=16, patience=8, trial_timeout=TRIAL_TIMEOUT_S, paired_rounds=3)
 QUICK = dict(model="tiny-sd15", budgets="auto2", trials=4, patience=None, paired_rounds=1)
 
 
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                    "autotune/search_spaces/FAMILY.yaml, compile included; --quick: tiny-sd15.yaml)")
     p.add_argument("--sampler-seed", type=int, default=0)
     p.add_argument("--threads", type=int)
-    p.add_argument("--trial-timeout", type=float, help="seconds before a measurement is killed (CPU 900, GPU 1200)")
+    p.add_argument("--trial-timeout", type=float, help=f"seconds before a measurement is killed (CPU 900, GPU {TRIAL_TIMEOUT_S:g})")
     p.add_argument("--no-reuse", action="store_true", help="measure every study trial afresh")
     p.add_argument("--paired-rounds", type=int, help="rounds of the final paired measurement per budget "
                    "(autotune's pick and the best hand stack, alternately, in fresh trials; 0: off; default 3)")

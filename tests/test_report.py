@@ -871,7 +871,8 @@ def test_a_profile_whose_study_picks_another_config_now_says_so(studies, tmp_pat
     (loaded,) = report.load([str(profile)])
     assert len(loaded.notes) == 1
     assert loaded.notes[0].startswith(f"p.yaml: its study picks trial {picked} (")
-    assert f"not the profile's trial {other}" in loaded.notes[0] and "autotune export --study-name roomy" in loaded.notes[0]
+    assert f"not the profile's trial {other}" in loaded.notes[0]
+    assert f"autotune export --study-name roomy --storage {url} writes its pick" in loaded.notes[0]
 
 
 def test_fronts_turn_to_a_log_latency_scale_when_one_trial_is_far_slower(tmp_path):

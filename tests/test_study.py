@@ -1,6 +1,7 @@
 """The study loop itself, on a made-up measurement (no pipelines): seeds first, early stop."""
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -850,6 +851,29 @@ def test_the_default_study_name_is_one_for_any_gpu():
              for device in ("cuda", "cuda:0", "cuda:1", "cpu")}
     assert names["cuda"] == names["cuda:0"] == names["cuda:1"] and "-cuda-" in names["cuda"]
     assert names["cpu"] != names["cuda"]
+
+
+def test_a_study_named_with_its_gpus_index_before_is_named_to_resume(tmp_path):
+    """A study a --device cuda:1 run made before names were of the device type ("-cuda1-") is of
+    these very settings: the new run's note names it and the --study-name that resumes it."""
+    import optuna
+
+    from autotune.cli import _earlier_studies, _study_name
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace(SPACE)
+    spec = resolve_model("tiny-sd15")
+    name = _study_name(spec, spec.default_workload, 1000 * MiB, "cuda", space, margin=0, threads=2, min_psnr=None)
+    on_gpu = replace(request(space, tmp_path, storage=url, threads=2, trials=4), study_name=name,
+                     target=Target(device="cuda", family=spec.family))
+    old = name.replace("-cuda-", "-cuda1-").rsplit("-", 1)[0] + "-557a9d50"  # its digest held "cuda:1"
+    stored = optuna.create_study(study_name=old, storage=url)
+    stored.set_user_attr("request", study._request_attr(replace(on_gpu, target=Target(device="cuda:1", family=spec.family))))
+    assert _earlier_studies(on_gpu) == {old: (0, None)}
+    # measured otherwise (another budget's margin): said as other settings, as for any earlier study
+    stored.set_user_attr("request", {**stored.user_attrs["request"], "margin_bytes": 1})
+    (differences,) = [d for _, d in _earlier_studies(on_gpu).values()]
+    assert differences.startswith("margin")
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
