@@ -14,7 +14,7 @@
 # Not yet run on a GPU: the limits are what a 10-minute command allows, not measured durations.
 # `tune` stops short of the compiled seeds: a cold max-autotune compile of SDXL's UNet took over
 # 180 s on an H100. The full comparison (#8) needs a longer visit: versus_hand_tuning.py --device cuda.
-set -u
+set -u -o pipefail  # a stage's exit is its pytest's or autotune's, not tee's
 usage="usage: gpu_check.sh OUT suite|workers|compile|pairs|memory|tune|versus"
 out=${1:?$usage}
 stage=${2:?$usage}
@@ -42,9 +42,13 @@ suite)
     # host's PID namespace) NVML's figure is the whole device's, which parallel tests would move.
     timeout -k 20 -s INT 280 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+    serial=$?
     timeout -k 20 -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
         -n 6 --dist worksteal --timeout 250 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
         2>&1 | tee -a "$out/gpu-tests.log"
+    parallel=$?
+    [ "$serial" -ne 0 ] && exit "$serial"
+    exit "$parallel"
     ;;
 workers)
     # apart: four whole CLI studies, each trial a fresh interpreter importing torch and diffusers;
@@ -71,9 +75,15 @@ tune)
     timeout -k 20 -s INT 420 $py -m autotune --model sdxl --random-weights --vram 12GB --steps 10 --trials 4 \
         --confirm 0 --trial-timeout 100 --timeout 100 --workdir "$out/work" -o "$out/sdxl-12GB.yaml" \
         2>&1 | tee "$out/tune.log"
-    [ -f "$out/sdxl-12GB.yaml" ] && timeout -k 20 -s INT 130 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 120 \
-        2>&1 | tee "$out/verify.log"
+    status=$?
+    if [ -f "$out/sdxl-12GB.yaml" ]; then
+        timeout -k 20 -s INT 130 $py -m autotune verify "$out/sdxl-12GB.yaml" --trial-timeout 120 \
+            2>&1 | tee "$out/verify.log"
+        verified=$?
+        [ "$status" -eq 0 ] && status=$verified
+    fi
     rm -rf "$out/work/trials" "$out/work/compile-cache"  # images and caches: too large to bring back
+    exit "$status"
     ;;
 versus)
     timeout -k 20 -s INT 540 $py benchmarks/versus_hand_tuning.py --device cuda --quick --paired-rounds 0 \
