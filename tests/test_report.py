@@ -374,6 +374,19 @@ def test_the_timeline_classes_a_trial_as_its_confirmations_rule_its_config_out(t
     assert "failed when measured again (1)" in legend and not any(t.startswith("ran and fits") for t in legend)
 
 
+def test_best_under_a_budget_is_the_fastest_of_the_front_that_fits_it(tmp_path):
+    """report.best_under, for a notebook's "what would this study pick at 6 GB": the fastest
+    point of the feasible front whose peak plus the study's margin is within that budget."""
+    from autotune import report
+
+    (data,) = report.load(f"synthetic@{synthetic_study(tmp_path, {})}")
+    (fastest,) = data.front  # bfloat16 (500 MiB, 1.0 s) dominates the baseline (600 MiB, 2.0 s)
+    assert report.best_under(data, 2**30) is fastest and report.best_under(data, 500 * 2**20) is fastest
+    assert report.best_under(data, 500 * 2**20 - 1) is None
+    data.margin = "10%"  # a share of each budget: 500 MiB fits from 555.6 MiB on
+    assert report.best_under(data, 555 * 2**20) is None and report.best_under(data, 556 * 2**20) is fastest
+
+
 def test_the_speedup_words_lie_beside_their_bar_and_over_the_one_x_line(tmp_path):
     # they were written across the bar, and the dashed 1.0x line ran through them
     from matplotlib.backends.backend_agg import FigureCanvasAgg
