@@ -12,6 +12,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -282,6 +283,65 @@ def test_sdpa_kernel_choice_wraps_the_denoiser_call_and_only_it():
     assert seen["unet"] == (False, True)  # only math inside the denoiser
     assert seen["vae"] == (True, True)  # SDPA's own choice outside it
     assert torch.backends.cuda.flash_sdp_enabled()  # and the context is left after the call
+
+
+class _Denoiser:
+    """A denoiser whose call waits inside until told to leave, to make two threads' calls overlap."""
+
+    def __init__(self):
+        self.inside, self.leave, self.seen = threading.Event(), threading.Event(), None
+
+    def forward(self, x):
+        b = torch.backends.cuda
+        self.seen = (b.flash_sdp_enabled(), b.math_sdp_enabled())
+        self.inside.set()
+        assert self.leave.wait(10)
+        return x
+
+
+def _switches():
+    b = torch.backends.cuda
+    return b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def test_overlapping_calls_from_two_threads_leave_sdpa_as_they_found_it():
+    """torch's sdpa_kernel sets process-wide switches: two threads' calls that overlapped and left
+    out of order left SDPA held to the math kernel for good, for every pipeline of the process."""
+    from autotune.knobs.attention import _hold_sdpa_kernel
+
+    first, second = _Denoiser(), _Denoiser()
+    for model in (first, second):
+        _hold_sdpa_kernel(model, "MATH")
+    threads = [threading.Thread(target=model.forward, args=(1,)) for model in (first, second)]
+    threads[0].start()
+    assert first.inside.wait(10)
+    threads[1].start()
+    assert second.inside.wait(10)
+    first.leave.set()  # the first in leaves first
+    threads[0].join(10)
+    assert _switches() == (False, False, True)  # the second is still inside: held
+    second.leave.set()
+    threads[1].join(10)
+    assert _switches() == (True, True, True)
+
+
+def test_a_call_holding_another_kernel_waits_for_the_held_one_to_end():
+    from autotune.knobs.attention import _hold_sdpa_kernel
+
+    on_math, on_flash = _Denoiser(), _Denoiser()
+    _hold_sdpa_kernel(on_math, "MATH")
+    _hold_sdpa_kernel(on_flash, "FLASH_ATTENTION")
+    threads = [threading.Thread(target=model.forward, args=(1,)) for model in (on_math, on_flash)]
+    threads[0].start()
+    assert on_math.inside.wait(10)
+    threads[1].start()
+    assert not on_flash.inside.wait(0.5)  # it would have run under the math switches
+    on_math.leave.set()
+    assert on_flash.inside.wait(10) and on_flash.seen == (True, False)
+    on_flash.leave.set()
+    for t in threads:
+        t.join(10)
+    assert on_math.seen == (False, True) and _switches() == (True, True, True)
 
 
 def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():

@@ -17,7 +17,9 @@ installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 from .base import Knob, denoiser, package_missing
 
@@ -39,6 +41,7 @@ COLD_FIRST_CALL = ("sdpa-cudnn", "sage")
 
 
 def _hold_sdpa_kernel(model, kernel_name: str) -> None:
+    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = getattr(SDPBackend, kernel_name)
@@ -46,11 +49,53 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 
     @functools.wraps(forward)  # keeps the signature that pipelines inspect
     def forward_under_kernel(*args, **kwargs):
-        with sdpa_kernel(kernel):  # dynamo traces this context, so compile keeps it
+        if torch.compiler.is_compiling():
+            with sdpa_kernel(kernel):  # dynamo traces this context, so compile keeps it
+                return forward(*args, **kwargs)
+        with _kernel_held(kernel):
             return forward(*args, **kwargs)
 
     forward_under_kernel.sdpa_kernel = kernel  # what tests and `autotune show` can read back
     model.forward = forward_under_kernel
+
+
+# torch's sdpa_kernel sets process-wide switches, and restores on exit what it found on entry: two
+# threads' calls that overlapped (a server calling pipelines from several threads) restored them
+# out of order, and left SDPA held to one kernel for good, for every pipeline of the process. So
+# the eager calls of this process share one hold: calls asking for the kernel held join it, one
+# asking for another waits until none holds the first, and the last to leave restores the switches.
+_HOLD = threading.Condition()
+_held = {"kernel": None, "calls": 0, "context": None}
+_in_a_hold = threading.local()  # this thread's call is inside a hold already (a nested call)
+
+
+@contextlib.contextmanager
+def _kernel_held(kernel):
+    from torch.nn.attention import sdpa_kernel
+
+    if getattr(_in_a_hold, "depth", 0):  # nested in this thread's own call: torch's nesting restores in order
+        with sdpa_kernel(kernel):
+            yield
+        return
+    with _HOLD:
+        while _held["calls"] and _held["kernel"] != kernel:
+            _HOLD.wait()
+        if not _held["calls"]:
+            context = sdpa_kernel(kernel)
+            context.__enter__()
+            _held.update(kernel=kernel, context=context)
+        _held["calls"] += 1
+    _in_a_hold.depth = 1
+    try:
+        yield
+    finally:
+        _in_a_hold.depth = 0
+        with _HOLD:
+            _held["calls"] -= 1
+            if not _held["calls"]:
+                _held["context"].__exit__(None, None, None)
+                _held.update(kernel=None, context=None)
+                _HOLD.notify_all()
 
 
 def _apply_attention(pipe, value, target, config):
