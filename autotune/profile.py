@@ -26,7 +26,8 @@ import yaml
 from . import fingerprint
 from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import BEFORE_BUILD, Config, Target, apply_config, build_configured, complete, conflict, unrunnable
+from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, apply_config, build_configured, complete, conflict,
+                    settings_found, unrunnable)
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
 from .models import FAMILIES, ModelSpec, spec_problem
@@ -346,6 +347,10 @@ class Profile:
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         self._check_runs(config, target)
+        found = settings_found(pipe) if not getattr(pipe, APPLIED, None) else []  # autotune's own: said below
+        if found:  # kept under the profile's, they would make another configuration than the one measured
+            raise ProfileError(f"this pipeline holds settings of its own ({'; '.join(found)}): apply the profile to "
+                               "a freshly loaded pipeline, or use profile.load_pipeline()")
         loaded_in = denoiser(pipe).dtype  # read before the config casts it
         try:
             pipe = apply_config(pipe, config, target)
@@ -408,11 +413,25 @@ class Profile:
                                f"{measured['device']}, {measured.get('name', 'unknown')}): {'; '.join(reasons)}")
 
     def mismatches(self) -> list[str]:
+        """How this machine, its libraries and this autotune differ from what the profile was
+        measured with: a line each."""
         machine = self.data["machine"]
         here = fingerprint.machine(machine["device"]) if _device_here(machine["device"]) else {"device": "cpu"}
         return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
             self.data["software"], fingerprint.software(), SOFTWARE_KEYS, absent="not installed"
-        )
+        ) + self._knobs_not_named()
+
+    def _knobs_not_named(self) -> list[str]:
+        """autotune writes every knob of its catalogue into a profile: one it does not name was
+        added since the profile was written (then its default is what was measured), or was taken
+        out by hand (then the figures are another configuration's). Said, as it cannot be told."""
+        named = self.best["config"]
+        missing = [name for name in CATALOGUE if name not in named]
+        if not missing:
+            return []
+        defaults = ", ".join(f"{name}={CATALOGUE[name].default}" for name in missing)
+        return [f"best.config does not name every knob of this autotune; taken at their defaults: {defaults} "
+                "(right for a profile written before they were added; one edited by hand was measured otherwise)"]
 
 
 def _pick_for_budget(points: list[dict]) -> dict:

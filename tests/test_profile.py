@@ -191,6 +191,28 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     assert load_profile(profile_io.save(doc, tmp_path / "cpu.yaml")).apply(pipe) is pipe
 
 
+@pytest.mark.parametrize("configure, said", [
+    (lambda pipe: (pipe.enable_attention_slicing(), pipe.vae.enable_tiling()),
+     "VAE tiling; unet attention processors (SlicedAttnProcessor)"),
+    (lambda pipe: pipe.fuse_qkv_projections(), "unet fused projections; vae fused projections"),
+    (lambda pipe: pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32),
+     "unet hooks (layerwise_casting)"),
+    (lambda pipe: pipe.unet.to(memory_format=torch.channels_last), "unet in channels_last"),
+])
+def test_apply_refuses_a_pipeline_its_user_configured_before(written, configure, said):
+    """Settings made on a pipeline before apply survived under the profile's (slicing for its
+    SDPA, a fused QKV or fp8 hooks it did not measure): another configuration than the one whose
+    figures the profile holds, in silence. A fresh pipeline is what apply takes."""
+    from autotune.models import build_pipeline
+
+    profile = load_profile(written)  # bfloat16 + channels_last
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    configure(pipe)
+    with pytest.raises(ProfileError, match=f"this pipeline holds settings of its own \\({re.escape(said)}\\): apply "
+                                           "the profile to a freshly loaded pipeline, or use profile.load_pipeline"):
+        profile.apply(pipe)
+
+
 def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     """apply() twice met a pipeline whose q, k, v layers fused QKV had dropped (a raw
     AttributeError), and a pipeline of another class, or no pipeline, was configured silently or
@@ -357,6 +379,21 @@ def test_sizes_in_a_mismatch_warning_are_human(tmp_path):
     assert fingerprint.differences({"memory_bytes": 25276510208}, {"memory_bytes": 25276510000},
                                    ["memory_bytes"]) == [
         "memory_bytes: profiled on 23.54 GiB (25276510208 bytes), here 23.54 GiB (25276510000 bytes)"]
+
+
+def test_a_best_config_that_does_not_name_every_knob_warns(tmp_path):
+    """A knob missing from best.config is taken at its default, silently before: right for a
+    profile written before the knob was added, not for one whose dtype was deleted by hand, whose
+    figures stood beside a float32 pipeline with no word."""
+    doc = document()
+    for knob in ("dtype", "channels_last"):
+        del doc["best"]["config"][knob]
+    path = profile_io.save(doc, tmp_path / "edited.yaml")
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        profile = load_profile(path)
+    (line,) = [str(w.message) for w in caught if "best.config" in str(w.message)]
+    assert "taken at their defaults: dtype=float32, channels_last=False" in line
+    assert profile.config["dtype"] == "float32"
 
 
 def test_the_same_machine_does_not_warn(written):

@@ -276,6 +276,46 @@ def apply_config(pipe, config: Config, target: Target):
     return pipe
 
 
+def settings_found(pipe) -> list[str]:
+    """What a pipeline holds that a freshly loaded one does not, and a configuration would not undo:
+    the settings its user made before handing it to Profile.apply (a configuration sets each knob
+    from a fresh pipeline's state, and leaves what it does not change as found). Read from the
+    state itself: diffusers' and accelerate's hooks, attention processors, fused projections, the
+    VAE's slicing and tiling, compilation, quantized weights, channels_last."""
+    import torch
+
+    found = []
+    vae = getattr(pipe, "vae", None)
+    if getattr(vae, "use_slicing", False):
+        found.append("VAE slicing")
+    if getattr(vae, "use_tiling", False):
+        found.append("VAE tiling")
+    for name in ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        model = getattr(pipe, name, None)
+        if model is None or not hasattr(model, "modules"):
+            continue
+        if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+            found.append(f"{name} compiled")
+        modules = list(model.modules())
+        hooks = sorted({hook for m in modules for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})})
+        if hooks:
+            found.append(f"{name} hooks ({', '.join(hooks)})")
+        if any(hasattr(m, "_hf_hook") for m in modules):
+            found.append(f"{name} offloaded (accelerate hooks)")
+        if any(getattr(m, "fused_projections", False) for m in modules):
+            found.append(f"{name} fused projections")
+        if any(type(param).__module__.startswith("torchao") for param in model.parameters()):
+            found.append(f"{name} weights quantized (torchao)")
+        convs = [m.weight for m in modules if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
+        if convs and convs[0].is_contiguous(memory_format=torch.channels_last) and not convs[0].is_contiguous():
+            found.append(f"{name} in channels_last")
+        processors = sorted({type(m.processor).__name__ for m in modules if hasattr(m, "processor")
+                             and any(word in type(m.processor).__name__ for word in ("Sliced", "XFormers"))})
+        if processors:
+            found.append(f"{name} attention processors ({', '.join(processors)})")
+    return found
+
+
 def build_configured(spec, config: Config, target: Target):
     """Build `spec`'s pipeline and put it into the state `config` describes: the one sequence
     that trial workers and production (`Profile.load_pipeline`) both run."""
@@ -305,5 +345,6 @@ __all__ = [
     "conflict",
     "matches",
     "rewrites_weights",
+    "settings_found",
     "unrunnable",
 ]
