@@ -111,6 +111,8 @@ def spec_problem(d) -> str | None:
     if d["kind"] not in KINDS:
         return f"unknown model kind '{d['kind']}': use one of {', '.join(KINDS)}"
     family = FAMILIES[d["family"]]
+    if d["kind"] == "tiny" and d["name"] != f"tiny-{d['family']}":  # built from the family alone: the name is its only word
+        return f"a tiny model of family {d['family']} is named tiny-{d['family']}, not {d['name']!r:.40}"
     if (d["pipeline_class"], d["denoiser"]) != (family.pipeline_class, family.denoiser):
         return (f"family {d['family']} is a {family.pipeline_class} with a {family.denoiser}, not a "
                 f"{d['pipeline_class']} with a {d['denoiser']}")

@@ -316,9 +316,16 @@ class Profile:
         return _pick_for_budget(fitting)
 
     # ---- production ---------------------------------------------------------------------------
-    def _target(self, device: str | None) -> Target:
+    def _target(self, device) -> Target:
+        """Where to load: `device` ("cpu", "cuda", "cuda:N", a torch.device, or a GPU's index as torch
+        takes it), or where the profile was measured when None."""
         measured = self.data["machine"]["device"]
-        device = device or measured
+        if device is None:
+            device = measured
+        elif type(device) is int and device >= 0:  # torch's shorthand for cuda:N (0 too, which is no "none")
+            device = f"cuda:{device}"
+        elif type(device).__name__ == "device" and type(device).__module__ == "torch":
+            device = str(device)  # "cpu", "cuda", "cuda:1"
         if not fingerprint.is_device_name(device):  # else torch's own error, deep in .to()
             raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not fingerprint.cuda_available():

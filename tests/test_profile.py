@@ -237,6 +237,11 @@ def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
         profile.apply("x")
     with pytest.raises(ProfileError, match="device 'tpu': expected cpu, cuda or cuda:N"):  # was torch's RuntimeError
         profile.load_pipeline(device="tpu")
+    # a torch.device was refused, and 0, torch's cuda:0, was taken for no device (the profile's)
+    assert profile.load_pipeline(device=torch.device("cpu")).device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ProfileError, match=r"device='cuda:0' was asked for \(the profile was measured on cpu\)"):
+            profile.load_pipeline(device=0)
     if not torch.cuda.is_available():  # a CPU profile, the GPU asked by the caller: said so, not "measured on cuda"
         with pytest.raises(ProfileError, match=r"device='cuda' was asked for \(the profile was measured on cpu\), "
                                                "but no CUDA GPU is usable here; leave device out"):
@@ -325,6 +330,9 @@ def test_an_empty_profile_path_is_named_so():
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "1: true", 1)), "unknown knob(s): 1"),
         (lambda p: edit(p, lambda d: d["budget"].update(margin="99GB")),
          "budget.margin 99GB leaves nothing of the budget (4.00 GiB)"),
+        # a tiny model is built from its family alone: another name loaded tiny-sd15 in silence
+        (lambda p: edit(p, lambda d: d["model"].update(name="tiny-nonexistent")),
+         "a tiny model of family sd15 is named tiny-sd15, not 'tiny-nonexistent'"),
     ],
 )
 def test_bad_profiles_give_one_clear_line(written, mangle, message):
