@@ -311,7 +311,7 @@ def test_overlapping_calls_from_two_threads_leave_sdpa_as_they_found_it():
 
     first, second = _Denoiser(), _Denoiser()
     for model in (first, second):
-        _hold_sdpa_kernel(model, "MATH")
+        _hold_sdpa_kernel(model, "MATH", traced=False)
     threads = [threading.Thread(target=model.forward, args=(1,)) for model in (first, second)]
     threads[0].start()
     assert first.inside.wait(10)
@@ -329,8 +329,8 @@ def test_a_call_holding_another_kernel_waits_for_the_held_one_to_end():
     from autotune.knobs.attention import _hold_sdpa_kernel
 
     on_math, on_flash = _Denoiser(), _Denoiser()
-    _hold_sdpa_kernel(on_math, "MATH")
-    _hold_sdpa_kernel(on_flash, "FLASH_ATTENTION")
+    _hold_sdpa_kernel(on_math, "MATH", traced=False)
+    _hold_sdpa_kernel(on_flash, "FLASH_ATTENTION", traced=False)
     threads = [threading.Thread(target=model.forward, args=(1,)) for model in (on_math, on_flash)]
     threads[0].start()
     assert on_math.inside.wait(10)
@@ -342,6 +342,81 @@ def test_a_call_holding_another_kernel_waits_for_the_held_one_to_end():
     for t in threads:
         t.join(10)
     assert on_math.seen == (False, True) and _switches() == (True, True, True)
+
+
+def test_a_stream_of_calls_on_one_kernel_does_not_starve_a_call_on_another():
+    # calls on the held kernel kept joining, and a call on another waited for as long as they came
+    from autotune.knobs import attention
+
+    first, on_flash, second = _Denoiser(), _Denoiser(), _Denoiser()
+    for model, kernel in ((first, "MATH"), (on_flash, "FLASH_ATTENTION"), (second, "MATH")):
+        _hold_sdpa_kernel_eager(model, kernel)
+    threads = {m: threading.Thread(target=m.forward, args=(1,)) for m in (first, on_flash, second)}
+    threads[first].start()
+    assert first.inside.wait(10)
+    threads[on_flash].start()
+    deadline = time.monotonic() + 10
+    while not attention._held["waiting"][torch.nn.attention.SDPBackend.FLASH_ATTENTION] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads[second].start()
+    assert not second.inside.wait(0.5)  # the math kernel is held, but a flash call waits: its turn first
+    first.leave.set()
+    assert on_flash.inside.wait(10) and not second.inside.is_set()
+    on_flash.leave.set()
+    assert second.inside.wait(10)
+    second.leave.set()
+    for t in threads.values():
+        t.join(10)
+    assert _switches() == (True, True, True)
+
+
+def test_a_compiled_call_with_a_graph_break_stays_inside_the_hold():
+    """dynamo sets the switches of a traced sdpa_kernel context again at run time, around each
+    graph break (hooks, caches): outside any hold, where another thread's call held another kernel
+    (and left flash held for good). Such a forward now compiles inside an eagerly taken hold."""
+    import torch.nn.functional as F
+
+    inside, leave = threading.Event(), threading.Event()
+    seen = []
+
+    @torch.compiler.disable
+    def graph_break():
+        seen.append(_switches())
+        if threading.current_thread() is not threading.main_thread():  # the second call waits here
+            inside.set()
+            assert leave.wait(10)
+
+    class Compiled(torch.nn.Module):
+        def forward(self, q):
+            out = F.scaled_dot_product_attention(q, q, q)
+            graph_break()
+            return out * 2
+
+    compiled, eager = Compiled(), _Denoiser()
+    _hold_sdpa_kernel_eager(compiled, "MATH")
+    _hold_sdpa_kernel_eager(eager, "FLASH_ATTENTION")
+    compiled.compile()
+    q = torch.randn(1, 2, 4, 8)
+    compiled(q)  # compiled here, alone
+    assert seen == [(False, False, True)]
+    holder = threading.Thread(target=eager.forward, args=(1,))
+    holder.start()
+    assert eager.inside.wait(10)
+    runner = threading.Thread(target=compiled, args=(q,))
+    runner.start()
+    assert not inside.wait(0.5)  # waits for the flash call's hold to end
+    eager.leave.set()
+    assert inside.wait(10) and seen[-1] == (False, False, True)
+    leave.set()
+    for t in (holder, runner):
+        t.join(10)
+    assert _switches() == (True, True, True)
+
+
+def _hold_sdpa_kernel_eager(model, kernel):
+    from autotune.knobs.attention import _hold_sdpa_kernel
+
+    _hold_sdpa_kernel(model, kernel, traced=False)
 
 
 def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():

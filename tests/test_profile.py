@@ -198,6 +198,9 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     (lambda pipe: pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32),
      "unet hooks (layerwise_casting)"),
     (lambda pipe: pipe.unet.to(memory_format=torch.channels_last), "unet in channels_last"),
+    (lambda pipe: (pipe.unet.compile_repeated_blocks(), pipe.vae.decoder.compile()),
+     "unet blocks compiled; vae blocks compiled"),
+    (lambda pipe: pipe.unet.set_default_attn_processor(), "unet attention processors (AttnProcessor)"),
 ])
 def test_apply_refuses_a_pipeline_its_user_configured_before(written, configure, said):
     """Settings made on a pipeline before apply survived under the profile's (slicing for its

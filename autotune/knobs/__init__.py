@@ -294,9 +294,11 @@ def settings_found(pipe) -> list[str]:
         model = getattr(pipe, name, None)
         if model is None or not hasattr(model, "modules"):
             continue
+        modules = list(model.modules())
         if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
             found.append(f"{name} compiled")
-        modules = list(model.modules())
+        elif any(getattr(m, "_compiled_call_impl", None) is not None for m in modules):  # regional, the VAE's decoder
+            found.append(f"{name} blocks compiled")
         hooks = sorted({hook for m in modules for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})})
         if hooks:
             found.append(f"{name} hooks ({', '.join(hooks)})")
@@ -309,8 +311,12 @@ def settings_found(pipe) -> list[str]:
         convs = [m.weight for m in modules if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
         if convs and convs[0].is_contiguous(memory_format=torch.channels_last) and not convs[0].is_contiguous():
             found.append(f"{name} in channels_last")
+        if any(getattr(m, "_chunk_size", None) is not None for m in modules):
+            found.append(f"{name} forward chunking")
+        # slicing, xFormers, and the pre-SDPA processor set_default_attn_processor installs
         processors = sorted({type(m.processor).__name__ for m in modules if hasattr(m, "processor")
-                             and any(word in type(m.processor).__name__ for word in ("Sliced", "XFormers"))})
+                             and (any(word in type(m.processor).__name__ for word in ("Sliced", "XFormers"))
+                                  or type(m.processor).__name__ == "AttnProcessor")})
         if processors:
             found.append(f"{name} attention processors ({', '.join(processors)})")
     return found

@@ -17,8 +17,9 @@ installed.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import functools
+import inspect
 import threading
 
 from .base import Knob, denoiser, package_missing
@@ -40,20 +41,41 @@ _DISPATCHER = {"flash-attn": "flash", "flash-attn-3": "_flash_3", "sage": "sage"
 COLD_FIRST_CALL = ("sdpa-cudnn", "sage")
 
 
-def _hold_sdpa_kernel(model, kernel_name: str) -> None:
+def _hold_sdpa_kernel(model, kernel_name: str, traced: bool) -> None:
+    """Wrap the model's forward to run under one SDPA kernel. `traced`: the forward is compiled
+    whole with fullgraph, so dynamo traces the sdpa_kernel context into the graph, and no switch
+    is touched at run time. Otherwise the calls share this process's hold of the switches, taken
+    eagerly (_enter_hold, _leave_hold): around a compiled forward too (the wrapper is kept out of
+    the graph, and the forward inside it compiled on its own), where dynamo set the switches at
+    run time around each graph break, outside any hold."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = getattr(SDPBackend, kernel_name)
     forward = model.forward
 
-    @functools.wraps(forward)  # keeps the signature that pipelines inspect
-    def forward_under_kernel(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            with sdpa_kernel(kernel):  # dynamo traces this context, so compile keeps it
+    if traced:
+        @functools.wraps(forward)  # keeps the signature that pipelines inspect
+        def forward_under_kernel(*args, **kwargs):
+            with sdpa_kernel(kernel):
                 return forward(*args, **kwargs)
-        with _kernel_held(kernel):
-            return forward(*args, **kwargs)
+    else:
+        # dynamo compiles the callees of a frame it skips (recursive=False below): the hold's own
+        # functions, which read and change shared state, are kept out of graphs whole
+        enter, leave = torch.compiler.disable(_enter_hold), torch.compiler.disable(_leave_hold)
+
+        @functools.wraps(forward)
+        def held(*args, **kwargs):
+            if getattr(_in_a_hold, "inside", False):  # nested in this thread's call: torch's nesting restores in order
+                with sdpa_kernel(kernel):
+                    return forward(*args, **kwargs)
+            token = enter(kernel)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                leave(token)
+
+        forward_under_kernel = torch.compiler.disable(held, recursive=False)  # recursive=False: forward still compiles
 
     forward_under_kernel.sdpa_kernel = kernel  # what tests and `autotune show` can read back
     model.forward = forward_under_kernel
@@ -62,40 +84,60 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 # torch's sdpa_kernel sets process-wide switches, and restores on exit what it found on entry: two
 # threads' calls that overlapped (a server calling pipelines from several threads) restored them
 # out of order, and left SDPA held to one kernel for good, for every pipeline of the process. So
-# the eager calls of this process share one hold: calls asking for the kernel held join it, one
-# asking for another waits until none holds the first, and the last to leave restores the switches.
+# the calls of this process share one hold: calls asking for the kernel held join it while no call
+# waits for another kernel (else they wait too, so that one is not starved), one asking for
+# another kernel waits until none holds the first, and the last to leave restores the switches.
 _HOLD = threading.Condition()
-_held = {"kernel": None, "calls": 0, "context": None}
+_held = {"kernel": None, "holders": set(), "context": None, "waiting": collections.Counter(), "last": None}
 _in_a_hold = threading.local()  # this thread's call is inside a hold already (a nested call)
 
 
-@contextlib.contextmanager
-def _kernel_held(kernel):
+def _may_enter(kernel) -> bool:
+    """Whether a call on `kernel` may join now: turns alternate between kernels while calls of
+    another wait, so that a steady stream of calls on one kernel starves none."""
+    others_wait = any(n for k, n in _held["waiting"].items() if k != kernel)
+    if not _held["holders"]:  # free: the kernel held last goes again only if no other waits
+        return not (others_wait and kernel == _held["last"])
+    return _held["kernel"] == kernel and not others_wait
+
+
+def _enter_hold(kernel) -> object:
+    """Join the hold of `kernel`, waiting while another kernel is held; returns this call's token
+    (added in one step: a Ctrl-C leaves the call in the hold or out of it, never half)."""
     from torch.nn.attention import sdpa_kernel
 
-    if getattr(_in_a_hold, "depth", 0):  # nested in this thread's own call: torch's nesting restores in order
-        with sdpa_kernel(kernel):
-            yield
-        return
-    with _HOLD:
-        while _held["calls"] and _held["kernel"] != kernel:
-            _HOLD.wait()
-        if not _held["calls"]:
-            context = sdpa_kernel(kernel)
-            context.__enter__()
-            _held.update(kernel=kernel, context=context)
-        _held["calls"] += 1
-    _in_a_hold.depth = 1
+    token = object()
     try:
-        yield
-    finally:
-        _in_a_hold.depth = 0
         with _HOLD:
-            _held["calls"] -= 1
-            if not _held["calls"]:
-                _held["context"].__exit__(None, None, None)
-                _held.update(kernel=None, context=None)
-                _HOLD.notify_all()
+            _held["waiting"][kernel] += 1
+            try:
+                while not _may_enter(kernel):
+                    _HOLD.wait()
+            finally:
+                _held["waiting"][kernel] -= 1
+            if not _held["holders"]:
+                context = sdpa_kernel(kernel)
+                _held.update(kernel=kernel, context=context, last=kernel)
+                context.__enter__()
+            _held["holders"].add(token)
+        _in_a_hold.inside = True
+    except BaseException:
+        _leave_hold(token)  # a Ctrl-C while it waited or joined: nothing of it stays
+        raise
+    return token
+
+
+def _leave_hold(token: object) -> None:
+    """Leave the hold; the last call out restores the switches (as does a call stopped between
+    entering the context and joining the hold, which no other call could leave)."""
+    _in_a_hold.inside = False
+    with _HOLD:
+        _held["holders"].discard(token)
+        if not _held["holders"] and _held["context"] is not None:
+            context, _held["context"], _held["kernel"] = _held["context"], None, None
+            if inspect.getgeneratorstate(context.gen) == inspect.GEN_SUSPENDED:  # entered, not left
+                context.__exit__(None, None, None)
+        _HOLD.notify_all()
 
 
 def _apply_attention(pipe, value, target, config):
@@ -107,7 +149,8 @@ def _apply_attention(pipe, value, target, config):
     if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
     elif value in _SDPA_KERNELS:
-        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
+        whole_fullgraph = config["compile"] != "none" and config["compile_fullgraph"] and not config["compile_regional"]
+        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value], traced=whole_fullgraph)
     elif value == "xformers":
         if target.family == "flux":
             _pin_backend(pipe.transformer, "xformers")
