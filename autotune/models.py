@@ -283,6 +283,34 @@ def _from_hub_cache(hub_id: str) -> ModelSpec:
     return _spec(hub_id, family, "pretrained", hub_id)
 
 
+def denoiser_config(spec: ModelSpec) -> dict | None:
+    """The architecture of `spec`'s denoiser (its config), read without its weights where this
+    machine has it: a random-weights model's shipped config, a pretrained one's in its folder or
+    the local cache, a tiny one's as built. None where it is not here (a profile carried to a
+    machine without the model): nothing to compare with."""
+    folder = FAMILIES[spec.family].denoiser  # "unet" or "transformer": its folder and attribute
+    if spec.kind == "tiny":
+        from .tiny import build
+
+        pipe = build(spec.family)  # a second: tiny models are built, not stored
+        return dict(getattr(pipe, folder).config)
+    try:
+        if spec.kind == "random":
+            path = MODEL_CONFIGS / spec.name / folder / "config.json"
+        elif Path(spec.source).is_dir():
+            path = Path(spec.source) / folder / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(spec.source, f"{folder}/config.json")
+            if not isinstance(found, str):
+                return None
+            path = Path(found)
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def build_pipeline(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """The pipeline of `spec`, its weights in `dtype` on `device`, every module in eval mode."""
     device = torch.device(device)

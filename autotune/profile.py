@@ -30,7 +30,7 @@ from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, apply_conf
                     settings_found, unrunnable)
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
-from .models import FAMILIES, ModelSpec, spec_problem
+from .models import FAMILIES, ModelSpec, denoiser_config, spec_problem
 from .sizes import fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
@@ -354,6 +354,7 @@ class Profile:
                                f"{type(pipe).__name__!r:.60}")
         config, target = complete(self.choose(budget_bytes)["config"]), self._target(device)
         self._check_runs(config, target)
+        self._check_architecture(pipe)
         found = settings_found(pipe) if not getattr(pipe, APPLIED, None) else []  # autotune's own: said below
         if found:  # kept under the profile's, they would make another configuration than the one measured
             raise ProfileError(f"this pipeline holds settings of its own ({'; '.join(found)}): apply the profile to "
@@ -378,6 +379,25 @@ class Profile:
                           f"{config['dtype']}), or profile.load_pipeline())", stacklevel=2)
         self._set_measured_threads(target)
         return pipe
+
+    def _check_architecture(self, pipe) -> None:
+        """Warn where the pipeline's denoiser is of another architecture than the profiled model's
+        (the class alone was checked: an SD1.5 pipeline of another size passed in silence). Only
+        the settings both configs name are compared, so a config written by another diffusers
+        version, which lacks newer keys, says nothing."""
+        import json
+
+        expected = denoiser_config(self.model)
+        if not expected:
+            return
+        expected, here = (json.loads(json.dumps(dict(c), default=str))  # tuples as lists, as in a file
+                          for c in (expected, denoiser(pipe).config))
+        differ = [k for k in sorted(expected) if not k.startswith("_") and k in here and here[k] != expected[k]]
+        if differ:
+            shown = "; ".join(f"{k} {here[k]!r:.40} here, {expected[k]!r:.40} profiled" for k in differ[:3])
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            warnings.warn(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({shown}{more}): "
+                          "the profile's figures were measured on another model", ProfileMismatchWarning, stacklevel=3)
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;

@@ -216,6 +216,25 @@ def test_apply_refuses_a_pipeline_its_user_configured_before(written, configure,
         profile.apply(pipe)
 
 
+def test_apply_warns_when_the_pipelines_denoiser_is_another_models(written):
+    """Only the pipeline's class was checked: an SD1.5 pipeline of another size took the profile in
+    silence, beside figures measured on another model."""
+    from diffusers import UNet2DConditionModel
+
+    from autotune.models import build_pipeline
+
+    profile = load_profile(written)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileMismatchWarning)
+        profile.apply(build_pipeline(resolve_model("tiny-sd15")))  # the profiled model: no word
+    other = build_pipeline(resolve_model("tiny-sd15"))
+    other.unet = UNet2DConditionModel.from_config({**other.unet.config, "layers_per_block": 2})
+    with pytest.warns(ProfileMismatchWarning, match=r"this pipeline's UNet2DConditionModel is not tiny-sd15's "
+                                                    r"\(layers_per_block 2 here, 1 profiled\): the profile's figures were "
+                                                    "measured on another model"):
+        profile.apply(other)
+
+
 def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     """apply() twice met a pipeline whose q, k, v layers fused QKV had dropped (a raw
     AttributeError), and a pipeline of another class, or no pipeline, was configured silently or
