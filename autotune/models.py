@@ -306,9 +306,10 @@ def denoiser_config(spec: ModelSpec) -> dict | None:
             if not isinstance(found, str):
                 return None
             path = Path(found)
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None  # a file that is no config: nothing to compare
 
 
 def build_pipeline(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

@@ -311,7 +311,7 @@ def test_overlapping_calls_from_two_threads_leave_sdpa_as_they_found_it():
 
     first, second = _Denoiser(), _Denoiser()
     for model in (first, second):
-        _hold_sdpa_kernel(model, "MATH", traced=False)
+        _hold_sdpa_kernel(model, "MATH")
     threads = [threading.Thread(target=model.forward, args=(1,)) for model in (first, second)]
     threads[0].start()
     assert first.inside.wait(10)
@@ -329,8 +329,8 @@ def test_a_call_holding_another_kernel_waits_for_the_held_one_to_end():
     from autotune.knobs.attention import _hold_sdpa_kernel
 
     on_math, on_flash = _Denoiser(), _Denoiser()
-    _hold_sdpa_kernel(on_math, "MATH", traced=False)
-    _hold_sdpa_kernel(on_flash, "FLASH_ATTENTION", traced=False)
+    _hold_sdpa_kernel(on_math, "MATH")
+    _hold_sdpa_kernel(on_flash, "FLASH_ATTENTION")
     threads = [threading.Thread(target=model.forward, args=(1,)) for model in (on_math, on_flash)]
     threads[0].start()
     assert on_math.inside.wait(10)
@@ -413,10 +413,39 @@ def test_a_compiled_call_with_a_graph_break_stays_inside_the_hold():
     assert _switches() == (True, True, True)
 
 
+@pytest.mark.parametrize("compile_options", [{"compile": "default"}, {"compile": "default", "compile_regional": True}])
+def test_a_compiled_denoiser_runs_the_kernel_chosen(compile_options):
+    """sdpa-math under compile ran the CPU's flash op (torch's profiler, tiny sd15): dynamo traced
+    the sdpa_kernel context inside the forward, and the graph kept SDPA's own kernel. The hold is
+    now taken around the compiled forward, which is compiled under the math switches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pipe = build_tiny("sd15", {"attention": "sdpa-math", **compile_options})
+
+    embeds, _ = pipe.encode_prompt("a red cube", "cpu", 1, False)
+
+    def denoise():  # the denoiser alone: the text encoder's and the VAE's attention keep SDPA's own choice
+        pipe(prompt_embeds=embeds, height=32, width=32, num_inference_steps=1, guidance_scale=1.0, output_type="latent")
+
+    denoise()  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        denoise()
+    ops = {event.key: event.count for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops, {o: n for o, n in ops.items() if "attention" in o}
+    assert ops.get("aten::bmm", 0) >= 2  # the math kernel: two matmuls an attention call
+    assert _switches() == (True, True, True)
+
+
+def test_an_sdpa_kernel_choice_is_not_compiled_whole_with_fullgraph():
+    fullgraph = {**baseline(), "attention": "sdpa-math", "compile": "default", "compile_fullgraph": True}
+    assert "cannot hold an SDPA kernel choice" in conflict(fullgraph)
+    assert not conflict({**fullgraph, "compile_regional": True})  # the blocks compile under the hold
+
+
 def _hold_sdpa_kernel_eager(model, kernel):
     from autotune.knobs.attention import _hold_sdpa_kernel
 
-    _hold_sdpa_kernel(model, kernel, traced=False)
+    _hold_sdpa_kernel(model, kernel)
 
 
 def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():

@@ -93,6 +93,12 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
      "fullgraph=True cannot trace through cache hooks (data-dependent skips are graph breaks)"),
     ({"compile_fullgraph": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
      "fullgraph=True cannot trace through layerwise-casting hooks"),
+    # A kernel choice is held around the denoiser's call (attention.py), outside its graph; a
+    # whole-model fullgraph compile would have to trace it instead, and the graph kept SDPA's own
+    # kernel there (the CPU's flash op for sdpa-math, seen with torch's profiler on tiny sd15 and Flux)
+    ({"compile_fullgraph": True, "compile_regional": False,
+      "attention": ["sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"]},
+     "a whole-model fullgraph compile cannot hold an SDPA kernel choice: the compiled graph keeps SDPA's own kernel"),
     ({"compile": list(CUDA_GRAPH_MODES), "offload": HOOKED},
      "CUDA-graph compile modes replay fixed device addresses; offload moves the weights (diffusers#8879)"),
     ({"compile": list(CUDA_GRAPH_MODES), "compile_regional": True},

@@ -41,42 +41,35 @@ _DISPATCHER = {"flash-attn": "flash", "flash-attn-3": "_flash_3", "sage": "sage"
 COLD_FIRST_CALL = ("sdpa-cudnn", "sage")
 
 
-def _hold_sdpa_kernel(model, kernel_name: str, traced: bool) -> None:
-    """Wrap the model's forward to run under one SDPA kernel. `traced`: the forward is compiled
-    whole with fullgraph, so dynamo traces the sdpa_kernel context into the graph, and no switch
-    is touched at run time. Otherwise the calls share this process's hold of the switches, taken
-    eagerly (_enter_hold, _leave_hold): around a compiled forward too (the wrapper is kept out of
-    the graph, and the forward inside it compiled on its own), where dynamo set the switches at
-    run time around each graph break, outside any hold."""
+def _hold_sdpa_kernel(model, kernel_name: str) -> None:
+    """Wrap the model's forward to run under one SDPA kernel, held by this process's hold of the
+    switches (_enter_hold, _leave_hold), taken eagerly: around a compiled forward too (the wrapper is
+    kept out of the graph, and the forward inside it compiled on its own, under the switches it
+    runs with). A sdpa_kernel context inside the forward was traced by dynamo instead: the graph
+    kept SDPA's own kernel, and the switches were set again at run time around each graph break,
+    outside any hold. (So no fullgraph compile of the whole model: a rule forbids it.)"""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = getattr(SDPBackend, kernel_name)
     forward = model.forward
+    # dynamo compiles the callees of a frame it skips (recursive=False below): the hold's own
+    # functions, which read and change shared state, are kept out of graphs whole
+    enter, leave = torch.compiler.disable(_enter_hold), torch.compiler.disable(_leave_hold)
 
-    if traced:
-        @functools.wraps(forward)  # keeps the signature that pipelines inspect
-        def forward_under_kernel(*args, **kwargs):
+    @functools.wraps(forward)  # keeps the signature that pipelines inspect
+    def held(*args, **kwargs):
+        if getattr(_in_a_hold, "inside", False):  # nested in this thread's call: torch's nesting restores in order
             with sdpa_kernel(kernel):
                 return forward(*args, **kwargs)
-    else:
-        # dynamo compiles the callees of a frame it skips (recursive=False below): the hold's own
-        # functions, which read and change shared state, are kept out of graphs whole
-        enter, leave = torch.compiler.disable(_enter_hold), torch.compiler.disable(_leave_hold)
+        token = object()  # made before the try: whatever interrupts, leave() sees this call's token
+        try:
+            enter(kernel, token)
+            return forward(*args, **kwargs)
+        finally:
+            leave(token)
 
-        @functools.wraps(forward)
-        def held(*args, **kwargs):
-            if getattr(_in_a_hold, "inside", False):  # nested in this thread's call: torch's nesting restores in order
-                with sdpa_kernel(kernel):
-                    return forward(*args, **kwargs)
-            token = enter(kernel)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                leave(token)
-
-        forward_under_kernel = torch.compiler.disable(held, recursive=False)  # recursive=False: forward still compiles
-
+    forward_under_kernel = torch.compiler.disable(held, recursive=False)  # recursive=False: forward still compiles
     forward_under_kernel.sdpa_kernel = kernel  # what tests and `autotune show` can read back
     model.forward = forward_under_kernel
 
@@ -101,12 +94,11 @@ def _may_enter(kernel) -> bool:
     return _held["kernel"] == kernel and not others_wait
 
 
-def _enter_hold(kernel) -> object:
-    """Join the hold of `kernel`, waiting while another kernel is held; returns this call's token
-    (added in one step: a Ctrl-C leaves the call in the hold or out of it, never half)."""
+def _enter_hold(kernel, token: object) -> None:
+    """Join the hold of `kernel` as `token`, waiting while another kernel is held (the token is
+    added in one step: a Ctrl-C leaves the call in the hold or out of it, never half)."""
     from torch.nn.attention import sdpa_kernel
 
-    token = object()
     try:
         with _HOLD:
             _held["waiting"][kernel] += 1
@@ -124,7 +116,6 @@ def _enter_hold(kernel) -> object:
     except BaseException:
         _leave_hold(token)  # a Ctrl-C while it waited or joined: nothing of it stays
         raise
-    return token
 
 
 def _leave_hold(token: object) -> None:
@@ -149,8 +140,7 @@ def _apply_attention(pipe, value, target, config):
     if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
     elif value in _SDPA_KERNELS:
-        whole_fullgraph = config["compile"] != "none" and config["compile_fullgraph"] and not config["compile_regional"]
-        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value], traced=whole_fullgraph)
+        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
     elif value == "xformers":
         if target.family == "flux":
             _pin_backend(pipe.transformer, "xformers")
