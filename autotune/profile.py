@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from . import fingerprint
@@ -324,7 +325,7 @@ class Profile:
             device = measured
         elif type(device) is int and device >= 0:  # torch's shorthand for cuda:N (0 too, which is no "none")
             device = f"cuda:{device}"
-        elif type(device).__name__ == "device" and type(device).__module__ == "torch":
+        elif isinstance(device, torch.device):
             device = str(device)  # "cpu", "cuda", "cuda:1"
         if not fingerprint.is_device_name(device):  # else torch's own error, deep in .to()
             raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
