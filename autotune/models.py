@@ -13,6 +13,7 @@ code path runnable without them:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -283,6 +284,15 @@ def _from_hub_cache(hub_id: str) -> ModelSpec:
     return _spec(hub_id, family, "pretrained", hub_id)
 
 
+@functools.cache
+def _tiny_denoiser_config(family: str) -> dict:
+    """A tiny model's denoiser config: tiny models are built, not stored, so it is read from one
+    built pipeline, once per process (each `Profile.apply` asks)."""
+    from .tiny import build
+
+    return dict(getattr(build(family), FAMILIES[family].denoiser).config)
+
+
 def denoiser_config(spec: ModelSpec) -> dict | None:
     """The architecture of `spec`'s denoiser (its config), read without its weights where this
     machine has it: a random-weights model's shipped config, a pretrained one's in its folder or
@@ -290,10 +300,7 @@ def denoiser_config(spec: ModelSpec) -> dict | None:
     machine without the model): nothing to compare with."""
     folder = FAMILIES[spec.family].denoiser  # "unet" or "transformer": its folder and attribute
     if spec.kind == "tiny":
-        from .tiny import build
-
-        pipe = build(spec.family)  # a second: tiny models are built, not stored
-        return dict(getattr(pipe, folder).config)
+        return dict(_tiny_denoiser_config(spec.family))
     try:
         if spec.kind == "random":
             path = MODEL_CONFIGS / spec.name / folder / "config.json"
