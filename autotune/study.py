@@ -913,8 +913,11 @@ def _disturbed_out_of_the_running(result: dict, fastest: float | None, req: Tune
 
 def _below_the_guard(result: dict, req: TuneRequest, min_psnr_db: float | None) -> bool:
     """Whether a trial's output is too far from the reference: it cannot be picked, whatever it
-    timed (assessed again, into the record, after a trial's measurements)."""
-    return bool(min_psnr_db) and quality.violation(quality.assess(result, req.reference_path), min_psnr_db) > 0
+    timed. The assessment is kept in the result, which _tell_measured records."""
+    if not min_psnr_db:
+        return False
+    result["quality"] = quality.assess(result, req.reference_path)
+    return quality.violation(result["quality"], min_psnr_db) > 0
 
 
 def _less_disturbed(first: dict, second: dict) -> dict:
@@ -1222,7 +1225,7 @@ def _tell_measured(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, r
         study.tell(trial, state=TrialState.FAIL)
         _queue_again(study, trial)
         raise model_did_not_load(result, f" (the baseline, trial {trial.number})")
-    if min_psnr_db:
+    if min_psnr_db and "quality" not in result:  # assessed already where _below_the_guard read it
         result["quality"] = quality.assess(result, req.reference_path)
     if result.get("output"):  # the PNG stays; the full-precision array was only for assess
         Path(result.pop("output")).unlink(missing_ok=True)
