@@ -81,7 +81,8 @@ def _hold_sdpa_kernel(model, kernel_name: str) -> None:
 # waits for another kernel (else they wait too, so that one is not starved), one asking for
 # another kernel waits until none holds the first, and the last to leave restores the switches.
 _HOLD = threading.Condition()
-_held = {"kernel": None, "holders": set(), "context": None, "waiting": collections.Counter(), "last": None}
+# "last": the kernel held now while "holders" is not empty, else the one held last
+_held = {"last": None, "holders": set(), "context": None, "waiting": collections.Counter()}
 _in_a_hold = threading.local()  # this thread's call is inside a hold already (a nested call)
 
 
@@ -91,7 +92,7 @@ def _may_enter(kernel) -> bool:
     others_wait = any(n for k, n in _held["waiting"].items() if k != kernel)
     if not _held["holders"]:  # free: the kernel held last goes again only if no other waits
         return not (others_wait and kernel == _held["last"])
-    return _held["kernel"] == kernel and not others_wait
+    return _held["last"] == kernel and not others_wait
 
 
 def _enter_hold(kernel, token: object) -> None:
@@ -109,7 +110,7 @@ def _enter_hold(kernel, token: object) -> None:
                 _held["waiting"][kernel] -= 1
             if not _held["holders"]:
                 context = sdpa_kernel(kernel)
-                _held.update(kernel=kernel, context=context, last=kernel)
+                _held.update(context=context, last=kernel)
                 context.__enter__()
             _held["holders"].add(token)
         _in_a_hold.inside = True
@@ -125,7 +126,7 @@ def _leave_hold(token: object) -> None:
     with _HOLD:
         _held["holders"].discard(token)
         if not _held["holders"] and _held["context"] is not None:
-            context, _held["context"], _held["kernel"] = _held["context"], None, None
+            context, _held["context"] = _held["context"], None
             if inspect.getgeneratorstate(context.gen) == inspect.GEN_SUSPENDED:  # entered, not left
                 context.__exit__(None, None, None)
         _HOLD.notify_all()
