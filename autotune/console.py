@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -117,10 +118,18 @@ def print_header(out: Console, request, space) -> None:
         out.print(f"  dropped {d}")
 
 
-# TrialRecord.ruled_out_by's reasons: (as a trial's line says it, as the summary counts it)
-RULED_OUT_SAID = {"budget": ("over budget", "over the budget"),
-                  "quality": ("quality below --min-psnr", "that fit below the quality guard"),
-                  "failed again": ("failed when measured again", "that fit failed when measured again")}
+class RuledOutWords(NamedTuple):
+    trial_line: str  # after a trial's status on its line
+    counted: str  # after a count, in the summary
+    timeline: str  # the report's timeline class (a report.CLASS_COLORS key)
+
+
+# TrialRecord.ruled_out_by's reasons, in the words of each place that says them (study.why_no_best
+# says them in sentences of its own, with the guard's threshold)
+RULED_OUT_SAID = {"budget": RuledOutWords("over budget", "over the budget", "over budget"),
+                  "quality": RuledOutWords("quality below --min-psnr", "that fit below the quality guard", "low quality"),
+                  "failed again": RuledOutWords("failed when measured again", "that fit failed when measured again",
+                                                "failed again")}
 
 
 class TrialProgress:
@@ -161,7 +170,7 @@ class TrialProgress:
             if q:
                 what += f", {q['psnr_db']:.1f} dB"
             if record.ruled_out_by:
-                what += f" ({RULED_OUT_SAID[record.ruled_out_by][0]})"
+                what += f" ({RULED_OUT_SAID[record.ruled_out_by].trial_line})"
             if r.get("cut_short"):
                 what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
@@ -275,7 +284,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     # of those that ran: what ruled them out of the pick (an "ok" status says only that it ran),
     # one reason each (TrialRecord.ruled_out_by), as the no-fit error counts them
     by_reason = Counter(r.ruled_out_by for r in outcome.records)
-    ruled_out = [f"{by_reason[reason]} {counted}" for reason, (_, counted) in RULED_OUT_SAID.items() if by_reason[reason]]
+    ruled_out = [f"{by_reason[reason]} {said.counted}" for reason, said in RULED_OUT_SAID.items() if by_reason[reason]]
     statuses = f" ({by_status}{'; of those ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "

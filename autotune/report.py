@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .choice import pareto_front
-from .console import count
+from .console import RULED_OUT_SAID, count
 from .errors import AutotuneError, os_reason
 from .sizes import smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
@@ -158,10 +158,6 @@ def _profile_point(p: dict | None, baseline: bool = False) -> Point | None:
                  peak_memory_bytes=p["peak_memory_bytes"], baseline=baseline, result=dict(p))
 
 
-# TrialRecord.ruled_out_by's reasons, as the timeline classes a trial that ran
-RULED_OUT_CLASS = {None: "ok", "budget": "over budget", "quality": "low quality", "failed again": "failed again"}
-
-
 def trial_class(frozen, record=None) -> str | None:
     """How a trial ended, for the timeline; None for one still running or waiting. `record`: the
     trial as the study's summary reads it (study.record_of), its confirmations included: a trial
@@ -188,7 +184,8 @@ def trial_class(frozen, record=None) -> str | None:
     if not result:
         return "error"
     if result["status"] == "ok":
-        return RULED_OUT_CLASS[(record or record_of(frozen)).ruled_out_by]
+        ruled_out_by = (record or record_of(frozen)).ruled_out_by
+        return RULED_OUT_SAID[ruled_out_by].timeline if ruled_out_by else "ok"
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 

@@ -372,6 +372,8 @@ def test_the_timeline_classes_a_trial_as_its_confirmations_rule_its_config_out(t
     assert data.best is None and "failed when measured again" in data.no_best
     legend = [t.get_text() for t in report.plot_timeline([data]).axes[0].get_legend().get_texts()]
     assert "failed when measured again (1)" in legend and not any(t.startswith("ran and fits") for t in legend)
+    from autotune.console import RULED_OUT_SAID  # every reason has a class the timeline colours
+    assert {said.timeline for said in RULED_OUT_SAID.values()} <= set(report.CLASS_COLORS)
 
 
 def test_best_under_a_budget_is_the_fastest_of_the_front_that_fits_it(tmp_path):
