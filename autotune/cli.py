@@ -20,7 +20,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .measure import MAX_TIMED_CALLS, MAX_WARMUP_CALLS, SPREAD_LIMIT, STEADY, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS
+from .measure import (MAX_TIMED_CALLS, MAX_WARMUP_CALLS, SPREAD_LIMIT, STEADY, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS,
+                      timed_calls_cap)
 from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, default_storage, display_url, keeps_nothing,
                        open_storage, storage_file)
 
@@ -144,7 +145,7 @@ def measurement_defaults() -> dict:
     contestants to exactly these. Keys as TuneRequest names them, and the margin."""
     p = tune_parser()
     return {"margin": p.get_default("margin"), "repeats": p.get_default("repeats"),
-            "max_calls": max(MAX_TIMED_CALLS, p.get_default("repeats")), "spread_limit": p.get_default("spread"),
+            "max_calls": timed_calls_cap(p.get_default("max_calls"), p.get_default("repeats")), "spread_limit": p.get_default("spread"),
             "warmup": p.get_default("warmup"), "confirm_rounds": p.get_default("confirm")}
 
 
@@ -459,7 +460,7 @@ def _tune(args, argv: list[str]) -> int:
         storage=storage, study_name=study_name, trials=args.trials, workdir=args.workdir / "trials" / study_name,
         timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
         margin=args.margin,
-        repeats=args.repeats, max_calls=args.max_calls or max(MAX_TIMED_CALLS, args.repeats), spread_limit=args.spread,
+        repeats=args.repeats, max_calls=timed_calls_cap(args.max_calls, args.repeats), spread_limit=args.spread,
         warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=args.min_psnr or None,
         launcher=args.launcher or default_launcher(device),
         compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),

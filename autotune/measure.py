@@ -310,6 +310,12 @@ SPREAD_LIMIT = 0.05  # (max - min) / median of the last TIMED_CALLS calls
 TRIAL_TIMEOUT_S = 1200.0  # a trial (or a replay) is killed after this long
 
 
+def timed_calls_cap(max_calls: int | None, repeats: int) -> int:
+    """Timed calls at most: `max_calls` (MAX_TIMED_CALLS when not given), never fewer than the
+    `repeats` whose spread decides when a trial stops."""
+    return max(max_calls or MAX_TIMED_CALLS, repeats)
+
+
 def warm_up(call, device: str, min_calls: int = WARMUP_CALLS, max_calls: int = MAX_WARMUP_CALLS, steady: float = STEADY,
             slow_above_s: float | None = None, first_warm_call: int | None = None):
     """Call until two calls in a row take times within `steady` of each other (compilation,

@@ -56,7 +56,7 @@ def trial_request(
         "warmup": warmup,
         "max_warmup": max(max_warmup, warmup),
         "repeats": repeats,
-        "max_calls": max(max_calls, repeats),
+        "max_calls": measure.timed_calls_cap(max_calls, repeats),
         "spread_limit": spread_limit,
         "cut_above_s": cut_above_s,
         "threads": threads,

@@ -409,3 +409,11 @@ def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkey
     report = tracker.report()
     assert "GPU is lost" in report.nvml_failure and report.outside_torch_bytes is None
     assert report.peak_bytes == 900 and report.source == "torch-reserved"
+
+
+def test_the_timed_calls_cap_is_never_below_the_repeats_that_must_agree():
+    from autotune.measure import MAX_TIMED_CALLS, timed_calls_cap
+
+    assert timed_calls_cap(None, 3) == MAX_TIMED_CALLS
+    assert timed_calls_cap(None, MAX_TIMED_CALLS + 2) == MAX_TIMED_CALLS + 2  # --repeats 12 alone
+    assert timed_calls_cap(4, 3) == 4
