@@ -350,7 +350,7 @@ def test_a_stream_of_calls_on_one_kernel_does_not_starve_a_call_on_another():
 
     first, on_flash, second = _Denoiser(), _Denoiser(), _Denoiser()
     for model, kernel in ((first, "MATH"), (on_flash, "FLASH_ATTENTION"), (second, "MATH")):
-        _hold_sdpa_kernel_eager(model, kernel)
+        attention._hold_sdpa_kernel(model, kernel)
     threads = {m: threading.Thread(target=m.forward, args=(1,)) for m in (first, on_flash, second)}
     threads[first].start()
     assert first.inside.wait(10)
@@ -367,6 +367,42 @@ def test_a_stream_of_calls_on_one_kernel_does_not_starve_a_call_on_another():
     second.leave.set()
     for t in threads.values():
         t.join(10)
+    assert _switches() == (True, True, True)
+
+
+def test_a_ctrl_c_inside_a_call_or_while_it_waits_leaves_nothing_held():
+    """A SIGINT (a real one, to this thread) interrupting a call waiting for another kernel, then
+    one interrupting the call held: the hold is left free and SDPA's switches as found."""
+    import signal
+
+    from autotune.knobs import attention
+
+    assert threading.current_thread() is threading.main_thread()  # where Python raises KeyboardInterrupt
+    on_math, on_flash = _Denoiser(), _Denoiser()
+    attention._hold_sdpa_kernel(on_math, "MATH")
+    attention._hold_sdpa_kernel(on_flash, "FLASH_ATTENTION")
+    holder = threading.Thread(target=on_math.forward, args=(1,))
+    holder.start()
+    assert on_math.inside.wait(10)
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        on_flash.forward(1)  # waits for the math call to end: interrupted there
+    timer.join()
+    assert not on_flash.inside.is_set() and not any(attention._held["waiting"].values())
+    on_math.leave.set()
+    holder.join(10)
+    assert not attention._held["holders"] and _switches() == (True, True, True)
+
+    class Interrupted:
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    model = Interrupted()
+    attention._hold_sdpa_kernel(model, "MATH")
+    with pytest.raises(KeyboardInterrupt):
+        model.forward(1)
+    assert not attention._held["holders"] and attention._held["context"] is None
     assert _switches() == (True, True, True)
 
 
@@ -392,9 +428,11 @@ def test_a_compiled_call_with_a_graph_break_stays_inside_the_hold():
             graph_break()
             return out * 2
 
+    from autotune.knobs.attention import _hold_sdpa_kernel
+
     compiled, eager = Compiled(), _Denoiser()
-    _hold_sdpa_kernel_eager(compiled, "MATH")
-    _hold_sdpa_kernel_eager(eager, "FLASH_ATTENTION")
+    _hold_sdpa_kernel(compiled, "MATH")
+    _hold_sdpa_kernel(eager, "FLASH_ATTENTION")
     compiled.compile()
     q = torch.randn(1, 2, 4, 8)
     compiled(q)  # compiled here, alone
@@ -440,12 +478,6 @@ def test_an_sdpa_kernel_choice_is_not_compiled_whole_with_fullgraph():
     fullgraph = {**baseline(), "attention": "sdpa-math", "compile": "default", "compile_fullgraph": True}
     assert "cannot hold an SDPA kernel choice" in conflict(fullgraph)
     assert not conflict({**fullgraph, "compile_regional": True})  # the blocks compile under the hold
-
-
-def _hold_sdpa_kernel_eager(model, kernel):
-    from autotune.knobs.attention import _hold_sdpa_kernel
-
-    _hold_sdpa_kernel(model, kernel)
 
 
 def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():

@@ -18,8 +18,8 @@ installed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-import inspect
 import threading
 
 from .base import Knob, denoiser, package_missing
@@ -109,9 +109,10 @@ def _enter_hold(kernel, token: object) -> None:
             finally:
                 _held["waiting"][kernel] -= 1
             if not _held["holders"]:
-                context = sdpa_kernel(kernel)
-                _held.update(context=context, last=kernel)
-                context.__enter__()
+                # an ExitStack exits the context only once entered: a Ctrl-C on the way in leaves
+                # _leave_hold nothing to undo but what was entered
+                _held.update(context=contextlib.ExitStack(), last=kernel)
+                _held["context"].enter_context(sdpa_kernel(kernel))
             _held["holders"].add(token)
         _in_a_hold.inside = True
     except BaseException:
@@ -127,8 +128,7 @@ def _leave_hold(token: object) -> None:
         _held["holders"].discard(token)
         if not _held["holders"] and _held["context"] is not None:
             context, _held["context"] = _held["context"], None
-            if inspect.getgeneratorstate(context.gen) == inspect.GEN_SUSPENDED:  # entered, not left
-                context.__exit__(None, None, None)
+            context.close()
         _HOLD.notify_all()
 
 
