@@ -18,6 +18,7 @@ journal files through a heartbeat kept here as a trial attribute).
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -481,18 +482,27 @@ def unfinished(study: optuna.Study) -> str | None:
     return ", ".join(parts) or None
 
 
+class Settled(enum.Enum):
+    """Why a proposal is told without being measured (_settle_without_measuring), in the words a
+    trial's reason is said in (_why_not_measured)."""
+    FORBIDDEN = "forbidden by the rules"
+    BEING_MEASURED = "being measured by another worker"
+    MEASURED = "measured already"
+    KNOWN_NOT_TO_FIT = "known not to fit"
+
+
 def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
     """Why the sampler's proposal in this trial was not measured; None for a measurement, a
     running trial or a confirmation phase's claim (`_claim_confirmation`)."""
     attrs = frozen.user_attrs
     if attrs.get("duplicate_of") is not None:
-        return "measured already"
+        return Settled.MEASURED.value
     if "duplicate_of_running" in attrs:
-        return "being measured by another worker"
+        return Settled.BEING_MEASURED.value
     if "forbidden" in attrs:
-        return "forbidden by the rules"
+        return Settled.FORBIDDEN.value
     if "dominated_by" in attrs:
-        return "known not to fit"
+        return Settled.KNOWN_NOT_TO_FIT.value
     if frozen.state == TrialState.FAIL and CONFIRMER not in attrs:
         return "stopped unfinished"  # Ctrl-C, a dead worker's, a model that did not load: queued again
     return None
@@ -1069,10 +1079,10 @@ def tune(
         trial.set_user_attr("worker", WORKER)
 
         settled_as = _settle_without_measuring(req.space, study, trial, config, outcome.records)
-        if settled_as == "forbidden":  # says nothing of other workers: the twins' count stands
+        if settled_as is Settled.FORBIDDEN:  # says nothing of other workers: the twins' count stands
             unmeasured_in_a_row += 1
             continue
-        if settled_as == "measured elsewhere now":
+        if settled_as is Settled.BEING_MEASURED:
             # Not a config measured already (the space is not spent): another worker is measuring
             # it, and the sampler, which counts it as a bad one while it runs, may propose it
             # again. A pause, not a spin to MAX_UNMEASURED_IN_A_ROW within seconds; proposed
@@ -1137,17 +1147,17 @@ def _why_stop(req: TuneRequest, outcome: StudyOutcome, n_done: int, n_settled: i
 
 
 def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: optuna.Trial, config: Config,
-                              records: list[TrialRecord]) -> str | None:
-    """Tell the trial of a config that needs no measurement, and say why: "forbidden" by the
-    space's rules, "measured elsewhere now" (another worker is measuring it), "measured" already
-    (the earlier result, as a duplicate), "known not to fit" (it saves less memory than a config
-    that ran out of it; `records`: the measured trials as this pass read them). None: measure it."""
+                              records: list[TrialRecord]) -> Settled | None:
+    """Tell the trial of a config that needs no measurement, and say why: forbidden by the
+    space's rules, being measured by another worker now, measured already (the earlier result,
+    as a duplicate), known not to fit (it saves less memory than a config that ran out of it;
+    `records`: the measured trials as this pass read them). None: measure it."""
     forbidden = space.forbidden(config)
     if forbidden:
         _record(trial, BROKEN)
         trial.set_user_attr("forbidden", forbidden)
         study.tell(trial, state=TrialState.PRUNED)
-        return "forbidden"
+        return Settled.FORBIDDEN
     key = config_key(config)
     # Another worker may have drawn the same config a moment ago. Each writes its key before
     # it looks (tune), so of two racing trials the one that wrote later sees the other, and
@@ -1157,7 +1167,7 @@ def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: op
     if twin is not None:
         trial.set_user_attr("duplicate_of_running", twin)
         study.tell(trial, state=TrialState.FAIL)  # samplers ignore failed trials
-        return "measured elsewhere now"
+        return Settled.BEING_MEASURED
     # Read the measured configs again, after the running ones: a twin that finished since the
     # pass's read is running no more, and only this second read sees it done.
     done = _measured(study)
@@ -1167,14 +1177,14 @@ def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: op
         _record(trial, **stored_violations(earlier))
         trial.set_user_attr("duplicate_of", earlier.number)
         study.tell(trial, earlier.value)
-        return "measured"
+        return Settled.MEASURED
     # this pass's read: a trial another worker ends meanwhile counts next pass
     dominated_by = memory_dominated(config, records)
     if dominated_by is not None:
         _record(trial, memory=dominated_by.violations.get("memory", BROKEN))  # > 0: ran out
         trial.set_user_attr("dominated_by", dominated_by.number)
         study.tell(trial, state=TrialState.PRUNED)
-        return "known not to fit"
+        return Settled.KNOWN_NOT_TO_FIT
     return None
 
 
