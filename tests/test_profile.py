@@ -191,6 +191,21 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     assert load_profile(profile_io.save(doc, tmp_path / "cpu.yaml")).apply(pipe) is pipe
 
 
+def _loaded_quantized(unet, library: str):
+    """`unet` saved, then loaded again quantized by `library`, as from_pretrained's
+    quantization_config does it (int8 weights)."""
+    import tempfile
+
+    from diffusers import QuantoConfig, TorchAoConfig, UNet2DConditionModel
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    config = TorchAoConfig(Int8WeightOnlyConfig()) if library == "torchao" else QuantoConfig(weights_dtype="int8")
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # diffusers 0.42 deprecates its quanto quantizer (for 1.0)
+        unet.save_pretrained(folder)
+        return UNet2DConditionModel.from_pretrained(folder, quantization_config=config)
+
+
 @pytest.mark.parametrize("configure, said", [
     (lambda pipe: (pipe.enable_attention_slicing(), pipe.vae.enable_tiling()),
      "VAE tiling; unet attention processors (SlicedAttnProcessor)"),
@@ -201,6 +216,9 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     (lambda pipe: (pipe.unet.compile_repeated_blocks(), pipe.vae.decoder.compile()),
      "unet blocks compiled; vae blocks compiled"),
     (lambda pipe: pipe.unet.set_default_attn_processor(), "unet attention processors (AttnProcessor)"),
+    (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "torchao")), "unet quantized when loaded (torchao)"),
+    # quanto's weights are no torchao tensors: such a pipeline took the profile in silence
+    (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "quanto")), "unet quantized when loaded (quanto)"),
 ])
 def test_apply_refuses_a_pipeline_its_user_configured_before(written, configure, said):
     """Settings made on a pipeline before apply survived under the profile's (slicing for its

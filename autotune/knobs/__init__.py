@@ -287,7 +287,7 @@ def settings_found(pipe) -> list[str]:
     the settings its user made before handing it to Profile.apply (a configuration sets each knob
     from a fresh pipeline's state, and leaves what it does not change as found). Read from the
     state itself: diffusers' and accelerate's hooks, attention processors, fused projections, the
-    VAE's slicing and tiling, compilation, quantized weights, channels_last."""
+    VAE's slicing and tiling, compilation, quantization (at load or after), channels_last."""
     import torch
 
     found = []
@@ -312,7 +312,14 @@ def settings_found(pipe) -> list[str]:
             found.append(f"{name} offloaded (accelerate hooks)")
         if any(getattr(m, "fused_projections", False) for m in modules):
             found.append(f"{name} fused projections")
-        if any(type(param).__module__.startswith("torchao") for param in model.parameters()):
+        # quantized as it was loaded (from_pretrained's quantization_config: bitsandbytes, GGUF,
+        # quanto, torchao...): diffusers' and transformers' models keep the quantizer; by torchao's
+        # quantize_ after loading: the weights' types say it
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+            found.append(f"{name} quantized when loaded ({getattr(method, 'value', method) or type(quantizer).__name__})")
+        elif any(type(param).__module__.startswith("torchao") for param in model.parameters()):
             found.append(f"{name} weights quantized (torchao)")
         convs = [m.weight for m in modules if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
         if convs and convs[0].is_contiguous(memory_format=torch.channels_last) and not convs[0].is_contiguous():
