@@ -183,7 +183,7 @@ class TrialProgress:
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
             if ran_out_of_host_memory(r):
-                what += " (host memory, not the GPU budget's)"
+                what += " (host memory ran short before the budget was reached)"
             if r.get("measured_twice"):
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
         if record.repair:  # repair.py

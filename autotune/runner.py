@@ -144,13 +144,17 @@ def run_trial(
     launcher: str = "spawn",
     stop_above_bytes: int | None = None,
     stop_above_what: str = "",
+    budget_bytes: int | None = None,
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
     (heartbeats, progress). On KeyboardInterrupt the child's process group is killed first.
     `stop_above_bytes`: a trial whose resident memory passes it is stopped as out_of_memory (on a
     CPU, where the budget is host memory, a config far over it cannot fit whatever its speed);
-    `stop_above_what` says what that bound is, for the message ("2x the 2.00 GiB budget")."""
+    `stop_above_what` says what that bound is, for the message ("2x the 2.00 GiB budget").
+    `budget_bytes`: on a CPU, the budget (host memory). A trial stopped because the machine's
+    memory ran short while it held no more than that is marked as the machine's (other
+    processes hold the rest), not judged by the budget; one holding more records what it held."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, log_path = (
         workdir / "request.json",
@@ -188,10 +192,16 @@ def run_trial(
             available = psutil.virtual_memory().available
             if available < HOST_RESERVE_BYTES:
                 held = resident_bytes(child.pid) or 0
-                # no peak: on a GPU the peak is device memory, and host RSS would stand for it
+                # On a GPU no peak: the peak is device memory, and host RSS would stand for it.
+                # On a CPU within its budget, the machine is short, not the config.
+                within = budget_bytes is not None and held <= budget_bytes
+                mark = ({worker.OUT_OF_MEMORY_ON: "host"} if within else
+                        {"peak_memory_bytes": held} if budget_bytes is not None else
+                        worker.host_memory_mark(request["device"]))
+                said = f", within its {format_size(budget_bytes)} budget: other processes hold the rest" if within else ""
                 return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
-                              f"available, the trial holding {held // 2**20} MiB): stopped before the kernel's "
-                              "out-of-memory killer", **worker.host_memory_mark(request["device"]))
+                              f"available, the trial holding {held // 2**20} MiB{said}): stopped before the kernel's "
+                              "out-of-memory killer", **mark)
             if stop_above_bytes and (held := resident_bytes(child.pid) or 0) > stop_above_bytes:
                 what = f"{stop_above_what}; " if stop_above_what else ""
                 return killed(worker.OUT_OF_MEMORY, f"the trial's resident memory passed {format_size(stop_above_bytes)} "

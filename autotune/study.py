@@ -238,7 +238,7 @@ class StudyOutcome:
             said = counts_text(Counter(r.status for r in self.records))
             on_host = sum(worker.ran_out_of_host_memory(r.result) for r in self.records)
             if on_host:
-                said += f"; host memory ran out in {on_host}, which the GPU budget does not judge"
+                said += f"; host memory ran short in {on_host} before the budget was reached, which the budget does not judge"
             first = self.records[0]
             return False, f"no configuration ran ({said}); trial {first.number}: {first.result.get('error', first.status)}"
         ruled_out = Counter(r.ruled_out_by for r in ran)
@@ -410,12 +410,12 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     violations = stored_violations(frozen)
     # A confirmation that went over the budget, ran out of memory or broke makes the config
     # infeasible: the budget is a promise for every run, not for its luckiest one.
-    # (Host memory running out under a GPU budget is a failure, not the budget's verdict.)
+    # (Host memory running short before the budget is reached is a failure, not the budget's verdict.)
     worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
     judged_by_budget = [c for c in confirmations if c["status"] == worker.OK or worker.ran_out_of_budgeted_memory(c)]
     violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in judged_by_budget)])
     if len(judged_by_budget) < len(confirmations):
-        violations["failed_again"] = BROKEN  # a crash, a timeout, host memory under a GPU budget
+        violations["failed_again"] = BROKEN  # a crash, a timeout, host memory short before the budget
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
@@ -538,6 +538,7 @@ def measure_in_child(req: TuneRequest) -> Measure:
             launcher=req.launcher,
             stop_above_bytes=STOP_ABOVE_BUDGET * req.budget_bytes if cpu_trial else None,
             stop_above_what=f"{STOP_ABOVE_BUDGET}x the {format_size(req.budget_bytes)} budget",
+            budget_bytes=req.budget_bytes if cpu_trial else None,
         )
 
     return measure

@@ -74,7 +74,7 @@ def _host_memory_ran_out(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "can't allocate memory" in text or "cannot allocate memory" in text
 
 
-OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see host_memory_mark
+OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see ran_out_of_host_memory
 
 
 def host_memory_mark(device: str) -> dict:
@@ -85,13 +85,15 @@ def host_memory_mark(device: str) -> dict:
 
 
 def ran_out_of_host_memory(result: dict) -> bool:
-    """Host memory ran out under a GPU budget (host_memory_mark): this machine's limit, which
-    says nothing of what the config needs on the GPU."""
+    """Host memory ran short before the budget was reached: under a GPU budget (host_memory_mark),
+    or on a CPU while the trial held less than its budget (runner.run_trial). This machine's
+    limit, which says nothing of what the config needs within the budget."""
     return result.get(OUT_OF_MEMORY_ON) == "host"
 
 
 def ran_out_of_budgeted_memory(result: dict) -> bool:
-    """Stopped for lack of the memory the budget is on: the GPU's, or host memory on a CPU."""
+    """Stopped for lack of the memory the budget is on: the GPU's, or host memory on a CPU (beyond
+    the budget, or where the runner could not tell)."""
     return result.get("status") == OUT_OF_MEMORY and not ran_out_of_host_memory(result)
 
 

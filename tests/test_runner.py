@@ -394,6 +394,21 @@ def test_host_memory_exhausted_under_a_gpu_budget_is_marked_as_the_hosts(tmp_pat
     assert "out_of_memory_on" not in runner.run_trial(request(), tmp_path / "c", timeout_s=300, launcher="spawn")
 
 
+def test_host_memory_short_on_a_cpu_is_the_budgets_verdict_only_past_the_budget(tmp_path, monkeypatch):
+    """A CPU trial stopped because the machine ran short, while it held far less than its budget
+    (other processes took the memory), was counted over the budget: a study on a busy machine
+    ruled out every config it confirmed and wrote no profile (helper 62's run). Within its budget
+    it is now the machine's; past it, it records what it held as its peak."""
+    monkeypatch.setattr(runner, "HOST_RESERVE_BYTES", psutil.virtual_memory().total)
+    within = runner.run_trial(request(), tmp_path / "w", timeout_s=300, launcher="spawn", budget_bytes=2**40)
+    assert within["status"] == worker.OUT_OF_MEMORY and worker.ran_out_of_host_memory(within)
+    assert not worker.ran_out_of_budgeted_memory(within) and "peak_memory_bytes" not in within
+    assert "within its 1024.00 GiB budget: other processes hold the rest" in within["error"]
+    past = runner.run_trial(request(), tmp_path / "p", timeout_s=300, launcher="spawn", budget_bytes=1)
+    assert worker.ran_out_of_budgeted_memory(past) and past["peak_memory_bytes"] > 1
+    assert not trial_processes()
+
+
 def test_a_trial_that_wrote_its_result_but_is_slow_to_exit_keeps_its_result(tmp_path, monkeypatch):
     """Past --trial-timeout with its result written (a slow teardown: CUDA, inductor's worker
     pool), a trial was recorded as a timeout and its measurement thrown away. A real child whose
