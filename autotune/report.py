@@ -556,7 +556,14 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
     if len(trials) < MIN_IMPORTANCE_TRIALS:
         return {}, (f"{study.label}: {count(len(trials), 'successful trial')}; ranking knobs needs at "
                     f"least {MIN_IMPORTANCE_TRIALS}")
-    varied = [name for name in trials[0].params if len({repr(t.params.get(name)) for t in trials}) > 1]
+    # Every knob drawn in any trial: a conditional one (a compile mode) is absent from the
+    # baseline and wherever its condition is off, and optuna 5's PED-ANOVA ranks it over the
+    # trials that drew it. Optuna 4's kept only the trials holding every knob named: there, the
+    # knobs all trials hold.
+    names = dict.fromkeys(name for t in trials for name in t.params)
+    if int(optuna.__version__.split(".")[0]) < 5:
+        names = {name: None for name in names if all(name in t.params for t in trials)}
+    varied = [name for name in names if len({repr(t.params[name]) for t in trials if name in t.params}) > 1]
     if not varied:
         return {}, f"{study.label}: no knob took two values in the measured trials"
     level = optuna.logging.get_verbosity()

@@ -492,6 +492,34 @@ def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     assert report.write_report([study], tmp_path / "out")[-1].name == "index.html"
 
 
+def test_knob_importance_ranks_a_knob_the_baseline_does_not_have(tmp_path):
+    """The knobs ranked were the first trial's, the baseline's: a conditional knob (a compile
+    mode, drawn only where compile is on) was never ranked, and its effect went to others."""
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="conditional", storage=url)
+    study.set_user_attr("request", {"model": {"name": "tiny-sdxl"}, "workload": {"height": 64, "width": 64,
+                        "steps": 1, "batch_size": 1}, "budget_bytes": 2**30, "device": "cpu"})
+    dists = {"dtype": CategoricalDistribution(["float32", "bfloat16"]),
+             "compile": CategoricalDistribution(["none", "default"]),
+             "compile_mode": CategoricalDistribution(["default", "max-autotune"])}
+    t0 = datetime(2026, 1, 1, 12)
+    rows = [({"dtype": "float32", "compile": "none"}, 2.0)]  # the baseline: no compile_mode
+    rows += [({"dtype": ("float32", "bfloat16")[n % 2], "compile": "default",
+               "compile_mode": ("default", "max-autotune")[n // 2 % 2]}, (1.5, 0.5)[n // 2 % 2]) for n in range(12)]
+    for n, (params, latency) in enumerate(rows):
+        trial = optuna.trial.create_trial(
+            params=params, distributions={k: dists[k] for k in params}, value=latency,
+            user_attrs={"config": params, "baseline": n == 0, "violation": -0.5, "violations": {"memory": -0.5},
+                        "result": {"status": "ok", "latency_s": latency, "peak_memory_bytes": 2**20}})
+        trial.datetime_start, trial.datetime_complete = t0 + timedelta(seconds=n), t0 + timedelta(seconds=n + 1)
+        study.add_trial(trial)
+    (data,) = report.load(f"conditional@{url}")
+    importances, note = report.knob_importance(data)
+    assert note is None and max(importances, key=importances.get) == "compile_mode", importances
+
+
 def test_a_report_folder_that_cannot_be_written_is_one_line(tmp_path):
     from autotune import report
 
