@@ -83,6 +83,7 @@ class Point:
     feasible: bool = True
     baseline: bool = False
     result: dict = field(default_factory=dict)
+    ruled_out_otherwise: str | None = None  # TrialRecord's: below the quality guard, or failed again
 
 
 @dataclass
@@ -148,6 +149,7 @@ def _point(record) -> Point:
         trial=record.number, config=record.config, latency_s=record.latency_s,
         peak_memory_bytes=record.peak_memory_bytes, status=record.status,
         feasible=record.feasible, baseline=record.baseline, result=record.result,
+        ruled_out_otherwise=record.ruled_out_otherwise,
     )
 
 
@@ -528,8 +530,11 @@ def best_under(study: StudyData, budget_bytes: int) -> Point | None:
 
 
 def _unbudgeted_front(points: list[Point]) -> list[Point]:
-    """The Pareto front of every successful measurement, the budget ignored."""
-    ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
+    """The Pareto front of every successful measurement that only the budget rules out, the
+    budget ignored: one below the quality guard, or that failed when measured again, would not
+    be picked with more memory either."""
+    ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes
+          and not p.ruled_out_otherwise]
     return pareto_front(ok, lambda p: p.peak_memory_bytes, lambda p: p.latency_s)
 
 

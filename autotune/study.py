@@ -188,7 +188,14 @@ class TrialRecord:
         or that did not run. The one reading of the summary, the no-fit error and the trial lines."""
         if self.status != worker.OK or self.feasible:
             return None
-        return "budget" if self.violations.get("memory", 0) > 0 else _ruled_out_besides_the_budget(self)
+        return "budget" if self.violations.get("memory", 0) > 0 else self.ruled_out_otherwise
+
+    @property
+    def ruled_out_otherwise(self) -> str | None:
+        """"quality" or "failed again" (in ruled_out_by's order) where that rules the config out,
+        over the budget or not: it would not be picked under a larger budget either."""
+        v = self.violations
+        return "quality" if v.get("quality", 0) > 0 else "failed again" if v.get("failed_again", 0) > 0 else None
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -222,7 +229,7 @@ class StudyOutcome:
         measured again, would not be picked under a larger budget either."""
         peaks = [r.peak_memory_bytes for r in self.records
                  if r.peak_memory_bytes and (r.status == worker.OK or r.out_of_budgeted_memory)
-                 and not _ruled_out_besides_the_budget(r)]
+                 and not r.ruled_out_otherwise]
         return min(peaks) if peaks else None
 
     def why_no_best(self, budget_bytes: int, margin_bytes: int = 0, margin: str = "0") -> tuple[bool, str]:
@@ -256,7 +263,7 @@ class StudyOutcome:
         # a trial stopped for memory records where it stopped: its peak was that at least
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
         # smallest_peak_bytes leaves out the configs ruled out otherwise: said, when some were
-        left_out = {_ruled_out_besides_the_budget(r) for r in ran if r.peak_memory_bytes}
+        left_out = {r.ruled_out_otherwise for r in ran if r.peak_memory_bytes}
         judged = ("config not ruled out otherwise" if "failed again" in left_out else
                   "config the quality guard passed" if "quality" in left_out else None)
         seen = (f"the smallest peak memory {f'of a {judged}' if judged else 'measured'} was "
@@ -267,13 +274,6 @@ class StudyOutcome:
             seen += (f" plus the margin of {margin} ({format_size(margin_bytes)})" if str(margin).endswith("%")
                      else f" plus the margin of {format_size(margin_bytes)}")
         return True, f"no configuration fits {format_size(budget_bytes)}: {'; '.join([seen, *otherwise])}"
-
-
-def _ruled_out_besides_the_budget(record: TrialRecord) -> str | None:
-    """"quality" or "failed again" (in ruled_out_by's order) where that rules a config out, over
-    the budget or not."""
-    v = record.violations
-    return "quality" if v.get("quality", 0) > 0 else "failed again" if v.get("failed_again", 0) > 0 else None
 
 
 def violation(result: dict, budget_bytes: int, margin_bytes: int = 0) -> float:

@@ -492,6 +492,29 @@ def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
     assert report.write_report([study], tmp_path / "out")[-1].name == "index.html"
 
 
+def test_what_more_memory_would_buy_leaves_out_configs_ruled_out_besides_the_budget(tmp_path):
+    """The dotted line of the best-vs-budget chart drew a config below the quality guard as what
+    more memory would buy: it would not be picked under any budget (helper 62)."""
+    from autotune import report
+
+    url = synthetic_study(tmp_path, {})
+    study = optuna.load_study(study_name="synthetic", storage=url)
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    for n, (latency, violations) in enumerate([(0.5, {"memory": 0.3, "quality": 0.2}), (0.7, {"memory": 0.2})]):
+        config = {"dtype": "bfloat16", "quantize": ("int8dq", "int8wo")[n]}
+        trial = optuna.trial.create_trial(
+            params={"dtype": "bfloat16"}, distributions=dist, value=latency,
+            user_attrs={"config": config, "violation": max(violations.values()), "violations": violations,
+                        "result": {"status": "ok", "latency_s": latency, "peak_memory_bytes": 900 * 2**20}})
+        trial.datetime_start = trial.datetime_complete = datetime(2026, 1, 1, 12, 1, n)
+        study.add_trial(trial)
+    (data,) = report.load(f"synthetic@{url}")
+    below_the_guard, over_the_budget = (p for p in data.points if p.latency_s in (0.5, 0.7))
+    assert below_the_guard.ruled_out_otherwise == "quality" and over_the_budget.ruled_out_otherwise is None
+    over = report._unbudgeted_front(data.points)
+    assert over_the_budget in over and below_the_guard not in over
+
+
 def test_knob_importance_ranks_a_knob_the_baseline_does_not_have(tmp_path):
     """The knobs ranked were the first trial's, the baseline's: a conditional knob (a compile
     mode, drawn only where compile is on) was never ranked, and its effect went to others."""
