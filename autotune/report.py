@@ -268,7 +268,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     `storage`: the storage of `url` opened already (a report reading several of its studies)."""
     import optuna
 
-    from .study import summarize
+    from .study import summarize, unfinished
 
     if storage is None:
         storage = _open_storage(url)
@@ -300,6 +300,10 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     if outcome.best is None:  # the CLI's words, for the note, the table and the speedups chart
         data.no_best = outcome.why_no_best(data.budget_bytes or 0, request.get("margin_bytes") or 0, data.margin)[1]
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
+    left = unfinished(study)
+    if left:  # stopped (Ctrl-C), or running now: its figures are those of a study half done
+        data.notes.append(f"{name}: unfinished ({left}); its figures are as they stand, and the command "
+                          "that ran it measures the rest")
     return data
 
 
@@ -844,7 +848,8 @@ def plot_speedups(studies: list[StudyData]):
         bar.patches[0].set_gid(f"speedup:{s.label}")
         text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
                 f"[{config_changes(s.best.config)}]" if s.speedup else
-                textwrap.shorten(s.why_no_best(), 110, placeholder=" …") if s.best is None else "no baseline measured")
+                textwrap.shorten(s.why_no_best(), 110, placeholder=" …") if s.best is None else
+                f"no speedup: the baseline ended {s.baseline.status}" if s.baseline else "no baseline measured")
         # under its bar, on white: the 1.0x line ran through the words
         ax.text(0.01, i + 0.27, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform(),
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0}, zorder=3)

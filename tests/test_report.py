@@ -515,6 +515,32 @@ def test_what_more_memory_would_buy_leaves_out_configs_ruled_out_besides_the_bud
     assert over_the_budget in over and below_the_guard not in over
 
 
+def test_a_study_stopped_half_way_says_so_and_a_baseline_that_failed_is_named(tmp_path):
+    """A study stopped by Ctrl-C with a trial still queued was reported as if finished; a speedup
+    row said "no baseline measured" of a baseline that ran out of memory (helper 62)."""
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="halfway", storage=url)
+    study.set_user_attr("request", {"model": {"name": "tiny-sdxl"}, "workload": {"height": 64, "width": 64,
+                        "steps": 1, "batch_size": 1}, "budget_bytes": 2**30, "device": "cpu"})
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    for n, (dtype, result) in enumerate([("float32", {"status": "out_of_memory", "latency_s": None}),
+                                         ("bfloat16", {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 2**20})]):
+        trial = optuna.trial.create_trial(
+            params={"dtype": dtype}, distributions=dist, value=result["latency_s"] or float("inf"),
+            user_attrs={"config": {"dtype": dtype}, "baseline": n == 0, "result": result,
+                        "violation": 1.0 if n == 0 else -0.5, "violations": {"memory": 1.0 if n == 0 else -0.5}})
+        trial.datetime_start = trial.datetime_complete = datetime(2026, 1, 1, 12, 0, n)
+        study.add_trial(trial)
+    study.enqueue_trial({"dtype": "bfloat16"})  # what Ctrl-C leaves: the trial it stopped, queued again
+    (data,) = report.load(f"halfway@{url}")
+    assert "halfway: unfinished (1 queued); its figures are as they stand" in " ".join(data.notes)
+    assert data.best is not None and data.baseline.status == "out_of_memory"
+    texts = [t.get_text() for t in report.plot_speedups([data]).axes[0].texts]
+    assert "no speedup: the baseline ended out_of_memory" in texts
+
+
 def test_knob_importance_ranks_a_knob_the_baseline_does_not_have(tmp_path):
     """The knobs ranked were the first trial's, the baseline's: a conditional knob (a compile
     mode, drawn only where compile is on) was never ranked, and its effect went to others."""
