@@ -5,8 +5,9 @@
     report.plot_fronts(studies)            # a matplotlib Figure: feasible Pareto fronts, budgets
     report.write_report(studies, "out/")   # every chart as PNG, and index.html listing them
 
-A source is `NAME@STORAGE_URL` (one study), a bare storage URL (every study in it), a SQLite file
-(the same as its sqlite:/// URL), or a profile file (its best, baseline and front; its study's
+A source is `NAME@STORAGE_URL` (one study; in a string of several, quoted where the name holds
+spaces), a bare storage URL (every study in it), a SQLite file (the same as its sqlite:/// URL),
+or a profile file (its best, baseline and front; its study's
 trials too when the storage it names is found). A file or study given twice is compared once.
 The notebook notebooks/compare_studies.ipynb calls these functions; so does `autotune report`.
 
@@ -18,6 +19,7 @@ scripts and tests can read back what was drawn.
 from __future__ import annotations
 
 import html
+import re
 import shlex
 import textwrap
 import warnings
@@ -381,20 +383,44 @@ def _is_url(text: str) -> bool:
     return "://" in text or text.startswith("journal:")
 
 
+_STORAGE_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|journal:")
+
+
+def _study_and_storage(entry: str) -> tuple[str, str] | None:
+    """`NAME@STORAGE` as (name, storage URL), split at the first '@' that a storage URL or a
+    SQLite file that is there follows: a study name may hold '@' ("team@gpu1"), and a URL's own '@'
+    (postgresql://user:pw@host/db) comes after its start. None: no storage named."""
+    at = entry.find("@")
+    while at != -1:
+        rest = entry[at + 1:]
+        if _STORAGE_URL_START.match(rest) or (Path(rest).is_file() and _is_sqlite_file(rest)):
+            return entry[:at], _as_url(rest)
+        at = entry.find("@", at + 1)
+    return None
+
+
+def _entries(sources: str) -> list[str]:
+    """One string of sources as its entries: separated by spaces or newlines, an entry holding
+    spaces (a study name) quoted as a shell would."""
+    try:
+        return shlex.split(sources)
+    except ValueError as exc:  # "No closing quotation"
+        raise ReportError(f"sources {sources!r}: {str(exc).lower()}") from None
+
+
 def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
     """Studies to compare, from `sources`: a list, or one string of entries separated by spaces
-    or newlines; each `NAME@STORAGE_URL`, a storage URL (all its studies), a SQLite file (the
-    same), or a profile path. `studies` names studies in `storage` (default: default_storage())
+    or newlines (quote one that holds spaces); each `NAME@STORAGE_URL`, a storage URL (all its
+    studies), a SQLite file (the same), or a profile path. `studies` names studies in `storage` (default: default_storage())
     besides. A profile file or a study given twice is compared once."""
     if isinstance(sources, str):
-        sources = sources.split()
+        sources = _entries(sources)
     sources = [str(s) for s in sources or []]
     if storage is not None:  # always a storage, never a profile: a path gets the URL to write
         _checked(check_url, storage)
     out: list[StudyData] = []
     for name in studies or []:
-        sources.append(name if "@" in name and _is_url(name.split("@", 1)[1]) else
-                       f"{name}@{storage or default_storage()}")
+        sources.append(name if _study_and_storage(name) else f"{name}@{storage or default_storage()}")
     if storage and not studies:
         sources.append(storage)
     seen: dict[tuple, StudyData] = {}  # what the sources resolved to: profile files, studies
@@ -416,9 +442,9 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
             twin.notes.append(note)
 
     for entry in sources:
-        name, _, url = entry.partition("@")
-        url = _as_url(url)
-        if url and _is_url(url):  # its key known before loading: a study given twice is loaded once
+        study_at = _study_and_storage(entry)
+        if study_at:  # its key known before loading: a study given twice is loaded once
+            name, url = study_at
             add([_study_key(url, name)], f"{name}@{display_url(url)}", lambda: load_study(url, name))
         elif _is_url(as_url := _as_url(entry)):
             entry = as_url
@@ -1127,7 +1153,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
-    if not storage and (any("@" not in name for name in args.study) or not (sources or args.study)):
+    if not storage and (any(not _study_and_storage(name) for name in args.study) or not (sources or args.study)):
         storage = default_storage()  # the storage of --study names without @URL, or every study in it
     if storage and not args.storage and not args.workdir:  # the default one, not one named: a hint
         _checked(check_file, storage, hint=WORKDIR_HINT)

@@ -541,6 +541,32 @@ def test_a_study_stopped_half_way_says_so_and_a_baseline_that_failed_is_named(tm
     assert "no speedup: the baseline ended out_of_memory" in texts
 
 
+def test_a_study_name_with_spaces_or_an_at_sign_can_be_given(tmp_path):
+    """--study-name takes any name, but one with spaces could not be given in a string of sources
+    (AUTOTUNE_STUDIES), and one with '@' not at all: the name was cut at its first '@' (helper 62)."""
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    name = "team@gpu1 café run"
+    study = optuna.create_study(study_name=name, storage=url)
+    study.set_user_attr("request", {"model": {"name": "tiny-sdxl"}, "workload": {"height": 64, "width": 64,
+                        "steps": 1, "batch_size": 1}, "budget_bytes": 2**30, "device": "cpu"})
+    dist = {"dtype": CategoricalDistribution(["float32", "bfloat16"])}
+    trial = optuna.trial.create_trial(
+        params={"dtype": "float32"}, distributions=dist, value=1.0,
+        user_attrs={"config": {"dtype": "float32"}, "baseline": True, "violation": -0.5, "violations": {"memory": -0.5},
+                    "result": {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 2**20}})
+    trial.datetime_start = trial.datetime_complete = datetime(2026, 1, 1, 12)
+    study.add_trial(trial)
+    for given in ([f"{name}@{url}"], f"'{name}@{url}'", {"sources": [], "storage": url, "studies": [name]},
+                  [f"{name}@{tmp_path / 's.db'}"]):
+        (data,) = report.load(**given) if isinstance(given, dict) else report.load(given)
+        assert data.name == name and data.best.latency_s == 1.0, given
+    assert report._study_and_storage("a@postgresql://user:pw@host/db") == ("a", "postgresql://user:pw@host/db")
+    with pytest.raises(report.ReportError, match="no closing quotation"):
+        report.load(f"'{name}@{url}")
+
+
 def test_knob_importance_ranks_a_knob_the_baseline_does_not_have(tmp_path):
     """The knobs ranked were the first trial's, the baseline's: a conditional knob (a compile
     mode, drawn only where compile is on) was never ranked, and its effect went to others."""
