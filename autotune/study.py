@@ -785,9 +785,16 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
 
 def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
-    """Refuse a worker whose device model or request (DEFINING) differs from what the study holds;
+    """Refuse a study another tool made, and a worker whose device model or request (DEFINING)
+    differs from what the study holds;
     record the device model where none is held yet, and this run's request (its timing settings
     may differ from an earlier run's: the latest is kept)."""
+    if "request" not in study.user_attrs and (study.get_trials(deepcopy=False)
+                                              or study.directions != [optuna.study.StudyDirection.MINIMIZE]):
+        # Another tool's study: its trials would mix with these (or, with two objectives, every
+        # trial fail). An empty minimizing one is autotune's own, stopped before its request.
+        raise AutotuneError(f"study {req.study_name} in this storage was not made by autotune (it records no "
+                            "request): use another --study-name")
     if req.hardware:
         held = study.user_attrs.get("hardware")
         if held and held != req.hardware:

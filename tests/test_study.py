@@ -839,6 +839,30 @@ def test_any_gpu_of_the_studys_model_may_join_it():
         study._refuse_another_request(shared, {**held, "budget_bytes": 3 * 2**30})
 
 
+@pytest.mark.parametrize("direction, with_a_trial", [("minimize", True), ("maximize", False)])
+def test_a_study_another_tool_made_is_not_taken_over(tmp_path, direction, with_a_trial):
+    """--study-name naming another tool's study took it over: its trials mixed with autotune's, a
+    maximizing study's sampler minimized the wrong way, and with two objectives every trial
+    failed and the run went on past --trials (helper 61). An empty study of autotune's own,
+    stopped before it recorded its request, is resumed."""
+    import optuna
+
+    from autotune.errors import AutotuneError
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    theirs = optuna.create_study(study_name="theirs", storage=url, direction=direction)
+    if with_a_trial:
+        theirs.enqueue_trial({"x": 1.0})
+    measure, measured = fake_measure(lambda c: 1.0)
+    with pytest.raises(AutotuneError, match="study theirs in this storage was not made by autotune"):
+        study.tune(replace(request(SearchSpace(SPACE), tmp_path, storage=url, trials=2), study_name="theirs"),
+                   measure=measure)
+    assert not measured
+    optuna.create_study(study_name="ours", storage=url)  # as open_study leaves it, stopped at once
+    study.tune(replace(request(SearchSpace(SPACE), tmp_path, storage=url, trials=2), study_name="ours"), measure=measure)
+    assert measured
+
+
 def test_the_default_study_name_is_one_for_any_gpu():
     """Two commands, --device cuda and --device cuda:1, resume one study by default, as the study
     takes them for one (above); their names differed ("-cuda-" and "-cuda1-") before."""
