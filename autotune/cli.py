@@ -780,8 +780,15 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
         except KeyError:
             raise AutotuneError(f"--warm-start {source}: no such profile file, nor a study {name!r} "
                                 f"in {display_url(url or storage)}") from None
-        check_model(source, (study.user_attrs.get("request") or {}).get("model", {}).get("name"))
-        configs += [record.config for record in summarize(study).front]
+        request = study.user_attrs.get("request")
+        if not isinstance(request, dict):  # another tool's study: no front of configs to take
+            raise AutotuneError(f"--warm-start {source}: study {name!r} was not made by autotune (it records no request)")
+        check_model(source, request.get("model", {}).get("name"))
+        front = summarize(study).front
+        if not front:
+            warnings.warn(f"--warm-start {source}: the study has no config that fits its budget yet: "
+                          "nothing to start from", stacklevel=2)
+        configs += [record.config for record in front]
     return configs
 
 

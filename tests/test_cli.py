@@ -116,6 +116,26 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
     assert message in line
 
 
+def test_a_warm_start_from_a_study_another_tool_made_is_refused(cli, tmp_path):
+    # it was taken as a study with no front, and contributed nothing, in silence (helper 61)
+    import optuna
+
+    optuna.create_study(study_name="theirs", storage=f"sqlite:///{tmp_path / 'm.db'}")
+    line = one_line_error(cli("--warm-start", "theirs@sqlite:///m.db", "--trials", "1"))
+    assert "--warm-start theirs@sqlite:///m.db: study 'theirs' was not made by autotune (it records no request)" in line
+
+
+def test_a_warm_start_from_a_study_with_no_front_yet_warns(tmp_path):
+    import optuna
+
+    from autotune.cli import _warm_start_configs
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    optuna.create_study(study_name="ours", storage=url).set_user_attr("request", {"model": {"name": "tiny-sd15"}})
+    with pytest.warns(UserWarning, match="no config that fits its budget yet: nothing to start from"):
+        assert _warm_start_configs([f"ours@{url}"], url, "tiny-sd15") == []
+
+
 def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
     # the run was refused, but it had made autotune-studies/studies.db first
     line = one_line_error(cli("-o", "/proc/x.yaml", "--trials", "1"))
