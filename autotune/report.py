@@ -11,13 +11,14 @@ or a profile file (its best, baseline and front; its study's
 trials too when the storage it names is found). A file or study given twice is compared once.
 The notebook notebooks/compare_studies.ipynb calls these functions; so does `autotune report`.
 
-Charts are `matplotlib.figure.Figure` objects made without pyplot: no global state, no GUI
-backend, and each drawn artist carries a gid ("front:LABEL", "trial:LABEL:NUMBER:CLASS", ...) so
-scripts and tests can read back what was drawn.
+Charts are `matplotlib.figure.Figure` objects (None where no study has a measurement) made
+without pyplot: no global state, no GUI backend, and each drawn artist carries a gid ("front:LABEL",
+"trial:LABEL:NUMBER:CLASS", ...) so scripts and tests can read back what was drawn.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import shlex
@@ -669,12 +670,23 @@ def _charted(studies: list[StudyData]) -> list[StudyData]:
     return [s for s in studies if s.measured]
 
 
+def _drawn_when_measured(plot):
+    """A chart that is None where no study has a measurement: a notebook given only studies
+    stopped before their first trial drew empty axes (-0.04 to 0.04) and a legend of nothing."""
+    @functools.wraps(plot)
+    def drawn(studies: list[StudyData]):
+        return plot(studies) if _charted(studies) else None
+
+    return drawn
+
+
 def _size_text(size: int | None) -> str:
     from .sizes import format_size
 
     return format_size(size)
 
 
+@_drawn_when_measured
 def plot_fronts(studies: list[StudyData]):
     """Latency against peak memory: every measured configuration (faint), each study's feasible
     Pareto front (line), its best (star), baseline (square) and budget (dashed line)."""
@@ -774,6 +786,7 @@ def _annotate_apart(ax, labels: list[tuple]) -> None:
         written.append(box)
 
 
+@_drawn_when_measured
 def plot_best_vs_budget(studies: list[StudyData]):
     """The best latency each study measured for any budget: solid within the study's budget,
     dotted beyond it (over-budget measurements: what more memory would buy). A dot marks the
@@ -862,6 +875,7 @@ def best_table_html(studies: list[StudyData]) -> str:
     return f'<table class="autotune-best"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+@_drawn_when_measured
 def plot_speedups(studies: list[StudyData]):
     """Speedup of each study's best over its baseline, with the configuration that gave it."""
     studies = _charted(studies)
@@ -888,6 +902,7 @@ def plot_speedups(studies: list[StudyData]):
     return fig
 
 
+@_drawn_when_measured
 def plot_importances(studies: list[StudyData]):
     """Knob importance for latency and for peak memory (PED-ANOVA), one bar per study; a study
     with too few trials gets a note instead of bars."""
@@ -935,6 +950,7 @@ def plot_importances(studies: list[StudyData]):
     return fig
 
 
+@_drawn_when_measured
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
     ended (ok, over budget, each failure class, duplicate, forbidden, known not to fit), and the confirmation

@@ -1050,6 +1050,9 @@ def test_a_study_where_nothing_ran_says_why_and_is_left_out_of_the_charts(tmp_pa
     assert [r["configuration"] for r in report.best_table(studies)][1:] == list(said.values())
     for name, fig in report.figures(studies).items():
         assert "timeouts" not in drawn_text(fig) and "nofit" not in drawn_text(fig), name
+    # studies with nothing measured alone: no chart, where the notebook drew empty axes
+    assert not report.figures(studies[1:])
+    assert all(plot(studies[1:]) is None for plot in report.CHARTS.values())
 
 
 def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(studies, tmp_path):
