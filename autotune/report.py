@@ -704,8 +704,10 @@ def plot_fronts(studies: list[StudyData]):
                        color=color, alpha=0.3, s=25, gid=f"points:{s.label}")
         over = [p for p in ok if not p.feasible]  # over the budget with its margin, or below the guard
         if over:
+            # labelled where no front is: else the study's colour had no key in the legend
             ax.scatter([p.peak_memory_bytes / scale for p in over], [p.latency_s for p in over],
-                       color=color, alpha=0.5, s=25, marker="x", gid=f"infeasible:{s.label}")
+                       color=color, alpha=0.5, s=25, marker="x", gid=f"infeasible:{s.label}",
+                       label=None if s.front else f"{s.label}: nothing fits")
         if s.front:
             ax.plot([p.peak_memory_bytes / scale for p in s.front], [p.latency_s for p in s.front],
                     color=color, marker="o", drawstyle="steps-post", label=f"{s.label}: front",
@@ -722,7 +724,7 @@ def plot_fronts(studies: list[StudyData]):
                 ax.axvline(s.budget_bytes / scale, color=color, ls="--", lw=1.5,
                            label=f"{s.label}: {text}", gid=f"budget:{s.label}")
             else:  # far right of every point: said in the legend instead of squashing the chart
-                ax.plot([], [], color=color, ls="none", label=f"{s.label}: {text} (right of the chart)",
+                ax.plot([], [], color=color, ls="--", lw=1.5, label=f"{s.label}: {text} (right of the chart)",
                         gid=f"budget:{s.label}")
     ax.plot([], [], marker="*", ms=12, color="grey", markeredgecolor="black", ls="none", label="best")
     ax.plot([], [], marker="s", ms=8, mfc="none", color="grey", mew=2, ls="none", label="baseline")

@@ -820,6 +820,10 @@ def test_best_vs_budget_draws_a_study_where_nothing_fits_dotted_as_its_title_say
     # the fastest measurement at each peak, the budget ignored: 500 MiB at 1.0 s beats 600 MiB at 2.0 s
     assert list(line.get_xdata()) == [500] and list(line.get_ydata()) == [1.0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{study.label}: nothing fits"]
+    # the fronts chart too: the study's colour had no key there (only its budget's entry, drawn
+    # without a mark when the budget lay right of the chart)
+    texts = [t.get_text() for t in report.plot_fronts([study]).axes[0].get_legend().get_texts()]
+    assert f"{study.label}: nothing fits" in texts
 
 
 def test_a_trial_given_up_as_stale_is_drawn_only_while_it_ran(tmp_path):
