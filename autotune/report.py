@@ -889,9 +889,10 @@ def plot_speedups(studies: list[StudyData]):
         bar = ax.barh(i - 0.12, value, height=0.45, color=color, alpha=0.8)
         bar.patches[0].set_gid(f"speedup:{s.label}")
         text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
-                f"[{config_changes(s.best.config)}]" if s.speedup else
-                textwrap.shorten(s.why_no_best(), 110, placeholder=" …") if s.best is None else
+                f"[{config_changes(s.best.config)}]" if s.speedup else s.why_no_best() if s.best is None else
                 f"no speedup: the baseline ended {s.baseline.status}" if s.baseline else "no baseline measured")
+        # within the figure, beside long study labels: the whole config is in the table of bests
+        text = textwrap.shorten(text, max(60, 140 - len(max((t.label for t in studies), key=len))), placeholder=" …")
         # under its bar, on white: the 1.0x line ran through the words
         ax.text(0.01, i + 0.27, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform(),
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0}, zorder=3)
