@@ -297,24 +297,48 @@ def terminate_as_interrupt() -> None:
     measured trials kept. Left at their default, they killed the parent alone and left the
     trial's process (or --gpus' workers) running, unsupervised.
     The benchmarks call it too: stopped by `timeout`, they stop their trial the same way."""
+    import _thread
     import signal
 
     def interrupt(signum, frame):
-        # Once only: a second signal (Ctrl-C pressed twice; `timeout` signals the process, then its
-        # group) raised inside the clean-up would cut the kill of the trial short, or come after
-        # the exit message as a traceback.
-        if INTERRUPTED.is_set():
+        # A second signal (Ctrl-C pressed twice; `timeout` signals the process, then its group)
+        # while the first is being handled is ignored: raised inside the clean-up (the trial's
+        # group killed, the trial queued again) it would cut that short, or come after the exit
+        # message as a traceback. Elsewhere it raises: the first may not have stopped anything.
+        if INTERRUPTED.is_set() and _handling_an_interrupt():
             return
         INTERRUPTED.set()
         raise KeyboardInterrupt
 
+    def unraisable(info, previous=sys.unraisablehook):
+        # Raised inside a __del__ or a weakref callback, a KeyboardInterrupt is only printed by
+        # Python ("Exception ignored in ..."), and the run went on: delivered again, from another
+        # thread, so that it reaches the main thread's code once the callback has ended (called
+        # from here, it would be raised inside this hook, and dropped again).
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            threading.Timer(0.01, _thread.interrupt_main, (signal.SIGTERM,)).start()
+        else:
+            previous(info)
+
     if threading.current_thread() is threading.main_thread():
+        sys.unraisablehook = unraisable
         signal.signal(signal.SIGTERM, interrupt)
         # a closed terminal or SSH session: --gpus workers run in sessions of their own and hear
         # of it only from here
         signal.signal(signal.SIGHUP, interrupt)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
             signal.signal(signal.SIGINT, interrupt)  # Python's own, and the record that it came
+
+
+def _handling_an_interrupt() -> bool:
+    """Whether the main thread is in an except or finally block of a KeyboardInterrupt (or of an
+    exception raised while handling one)."""
+    exc = sys.exc_info()[1]
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__context__
+    return False
 
 
 def stop_signals_exit_with(code: int) -> None:

@@ -9,15 +9,19 @@ import sys
 
 def run(main, kept: str = "") -> None:
     """`kept`: what an interrupted run leaves for the user, said after "interrupted"."""
-    from autotune.cli import terminate_as_interrupt
+    from autotune.cli import stop_signals_exit_with, terminate_as_interrupt
     from autotune.errors import AutotuneError
 
     terminate_as_interrupt()
     try:
         result = main()
     except AutotuneError as exc:
+        stop_signals_exit_with(1)
         sys.exit(f"{sys.argv[0]}: error: {exc}")
     except KeyboardInterrupt:  # the context managers have cleaned up by now
+        # a later signal (`timeout` signals the script, then its group) ends it with this code
+        stop_signals_exit_with(130)
         print(f"{sys.argv[0]}: interrupted{': ' + kept if kept else ''}", file=sys.stderr)
         sys.exit(130)
+    stop_signals_exit_with(result if isinstance(result, int) else 0 if result is None else 1)
     sys.exit(result)

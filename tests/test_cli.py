@@ -48,6 +48,34 @@ def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
 
 
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
+    """A stop signal arriving while Python ran a __del__ or a weakref callback raised its
+    KeyboardInterrupt there, where Python only prints it: the run went on, and every later signal
+    was ignored as a second one (helper 60's `autotune report`, rc 0 after three SIGINTs)."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, time
+        from autotune.cli import terminate_as_interrupt
+        terminate_as_interrupt()
+        class Slow:
+            def __del__(self):
+                time.sleep(1.0)  # the signal lands here
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            Slow()
+            time.sleep(5)
+            print("went on")
+        except KeyboardInterrupt:
+            print("stopped")
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            time.sleep(1)  # a second signal while the first is handled: ignored
+            print("cleaned up")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.stdout.split() == ["stopped", "cleaned", "up"], proc.stdout + proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
