@@ -943,16 +943,18 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     from, recording the other's figures (and which was kept); its peak memory the higher of the
     two, as a profile's peak is the highest of a config's trials. A second trial that failed (out
     of memory, crashed) stands, as a failed confirmation makes its config infeasible: the budget
-    is a promise for every run."""
+    is a promise for every run. Not one stopped because the machine's memory ran short before the
+    budget was reached: the first ran, and the second says only that others took the memory."""
     taken = [(r.get("cores_taken_by_others") or 0) for r in (first, second)]
-    keep_second = second.get("status") != worker.OK or taken[1] < taken[0]
+    failed = second.get("status") != worker.OK and not worker.ran_out_of_host_memory(second)
+    keep_second = failed or (second.get("status") == worker.OK and taken[1] < taken[0])
     kept, other = (second, first) if keep_second else (first, second)
     if other.get("output"):
         Path(other["output"]).unlink(missing_ok=True)
     kept["measured_twice"] = {"kept": "second" if keep_second else "first",
                               **{k: other.get(k) for k in ("status", "latency_s", "peak_memory_bytes",
                                                            "cores_taken_by_others")}}
-    if kept.get("status") == worker.OK and other.get("peak_memory_bytes", 0) > kept.get("peak_memory_bytes", 0):
+    if kept.get("status") == worker.OK and (other.get("peak_memory_bytes") or 0) > (kept.get("peak_memory_bytes") or 0):
         kept["peak_memory_bytes"] = other["peak_memory_bytes"]
         kept["peak_from"] = "the other of its two trials"  # the fields beside it describe this one
     return kept
@@ -1208,6 +1210,7 @@ def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, c
     trial_dir = req.workdir / f"trial-{trial.number:05d}"
     cut_above_s = CUT_SLOWER_THAN * fastest if fastest else None
     request = req.trial_request(config, trial_dir / "output.npy", cut_above_s=cut_above_s)
+    result = None
     try:
         result = measure(request, trial_dir, lambda: _heartbeat(storage, trial))
         if measure_disturbed_again and not _past(deadline) and _disturbed_out_of_the_running(result, fastest, req) \
@@ -1221,8 +1224,11 @@ def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, c
     except KeyboardInterrupt:
         # The child is dead already (runner killed its group).
         if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
-            study.tell(trial, state=TrialState.FAIL)
-            _queue_again(study, trial)
+            if result is not None:  # stopped in its second measurement: the first stands
+                _tell_measured(req, study, trial, result, min_psnr_db)
+            else:
+                study.tell(trial, state=TrialState.FAIL)
+                _queue_again(study, trial)
         raise
     except optuna.exceptions.UpdateFinishedTrialError:
         # A heartbeat found the trial given up: this process was paused past the grace period

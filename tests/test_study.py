@@ -144,6 +144,35 @@ def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(
     # a second that ran out of memory stands: the config does not fit every run
     kept = study._less_disturbed(trial(latency=2.0, taken=0.5), trial(status="out_of_memory", latency=None, taken=0.0))
     assert kept["status"] == "out_of_memory" and kept["measured_twice"]["latency_s"] == 2.0
+    # not one stopped because others took the machine's memory: the first ran (helper 60)
+    short = {**trial(status="out_of_memory", latency=None, peak=None), "out_of_memory_on": "host"}
+    kept = study._less_disturbed(trial(latency=2.0, taken=0.5), short)
+    assert kept["status"] == "ok" and kept["latency_s"] == 2.0 and kept["measured_twice"]["status"] == "out_of_memory"
+
+
+def test_a_stop_in_a_trials_second_measurement_keeps_the_first(tmp_path):
+    """A disturbed trial measured again and stopped there (Ctrl-C, SIGTERM) was failed and queued
+    again, its finished first measurement thrown away (helper 60): the first is recorded."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    calls = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        calls.append(req["config"])
+        # the reference calls' two, the baseline, then the seed: disturbed, slower than the baseline
+        if len(calls) == 4:
+            return {"status": "ok", "latency_s": 6.0, "peak_memory_bytes": 500 * MiB, "cores_taken_by_others": 0.9}
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # while the seed is measured again
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+
+    req = request(SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}]), tmp_path, trials=3, confirm_rounds=0, storage=url)
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(req, measure=measure)
+    assert len(calls) == 5 and calls[3] == calls[4] == {**baseline(), "dtype": "bfloat16"}
+    (seed,) = [t for t in optuna.load_study(study_name="s", storage=url).trials if t.user_attrs.get("seed")]
+    assert seed.state == optuna.trial.TrialState.COMPLETE and seed.user_attrs["result"]["latency_s"] == 6.0
 
 
 def test_patience_stops_when_the_best_stops_improving(tmp_path):
