@@ -208,7 +208,9 @@ class TrialProgress:
                 what += " (over budget)"
             what += _busy_note(entry)
         else:
-            what = entry["status"]
+            what = f"{entry['status']}: {entry['error']}"[:160] if entry.get("error") else entry["status"]
+            if ran_out_of_host_memory(entry):
+                what += " (host memory ran short before the budget was reached)"
         self.out.print(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]")
 
 

@@ -1398,6 +1398,8 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "p90_s": result.get("p90_s") if result["status"] == worker.OK else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "status": result["status"],
+            # why it failed, for the console's line and a later reading of the study
+            **({"error": str(result.get("error", ""))[:300]} if result["status"] != worker.OK else {}),
             **({worker.OUT_OF_MEMORY_ON: result[worker.OUT_OF_MEMORY_ON]} if worker.OUT_OF_MEMORY_ON in result else {}),
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
             "cores_taken_by_others": result.get("cores_taken_by_others"),

@@ -570,12 +570,23 @@ def test_a_confirmation_that_crashed_makes_the_config_infeasible_but_not_out_of_
 
     def measure(req: dict, trial_dir: Path, tick) -> dict:
         if req["config"]["dtype"] == "bfloat16" and req.get("confirmation"):
-            return {"status": "crashed", "signal": "SIGSEGV", "peak_memory_bytes": 400 * MiB}
+            return {"status": "crashed", "signal": "SIGSEGV", "peak_memory_bytes": 400 * MiB,
+                    "error": "killed by SIGSEGV"}
         return {"status": "ok", "latency_s": 0.9 if req["config"]["dtype"] == "bfloat16" else 1.0,
                 "peak_memory_bytes": 500 * MiB}
 
-    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=1), measure=measure)
+    from rich.console import Console
+
+    from autotune.console import TrialProgress
+
+    out = Console(markup=False, record=True, width=200)
+    with TrialProgress(out, 2) as progress:
+        outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=1), measure=measure,
+                             on_confirm=progress.confirmed)
     bf16 = next(r for r in outcome.records if r.config["dtype"] == "bfloat16")
+    # why it failed is kept, and said on its line (it was "again 1  crashed" alone: helper 60)
+    assert bf16.confirmations[0]["error"] == "killed by SIGSEGV"
+    assert "again   1  crashed: killed by SIGSEGV  [dtype=bfloat16]" in out.export_text()
     assert not bf16.feasible and bf16.violations["failed_again"] > 0
     assert bf16.violations["memory"] <= 0 and not study.ran_out_of_memory(bf16)  # no memory dominance from a crash
     assert outcome.best.baseline
