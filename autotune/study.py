@@ -36,7 +36,7 @@ from optuna.trial import TrialState
 
 from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
-from .console import count, counts_text
+from .console import config_changes, count, counts_text
 from .errors import AutotuneError
 from .knobs import CATALOGUE, Config, Target, baseline
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
@@ -369,6 +369,22 @@ def _fail_stale_trials(study: optuna.Study) -> None:
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker failed it first
             retry(study, storage.get_trial(frozen._trial_id))
+
+
+def _given_up(study: optuna.Study) -> list[Config]:
+    """The configs whose trial was left running by a dead process MAX_RETRIES + 1 times, which
+    Optuna's retry queues no more, and that no trial measured, runs or waits to measure since."""
+    trials = study.get_trials(deepcopy=False)
+    live = {t.user_attrs.get("config_key") for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)}
+    measured = _measured(study)
+    given_up = {}
+    for frozen in trials:
+        key = frozen.user_attrs.get("config_key")
+        if (frozen.state == TrialState.FAIL and key and key not in live and key not in measured
+                and len(frozen.system_attrs.get("retry_history", [])) >= storages.MAX_RETRIES
+                and CONFIRMER not in frozen.user_attrs):
+            given_up.setdefault(key, frozen.user_attrs["config"])
+    return list(given_up.values())
 
 
 def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
@@ -765,6 +781,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         on_step(f"study {req.study_name} exists in this storage: " + (
             f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
             else "no trial measured yet, the search starts there"))
+        for config in _given_up(study):
+            on_step(f"not measured again: [{config_changes(config)}], whose process died "
+                    f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "
+                    "out-of-memory killer?); the sampler may propose it again")
     warm = _queue_baseline_and_warm_start(study, req, created, on_step)
     # The seeds are queued once per study, by the run that finds them not queued yet: the one that
     # created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL) before it

@@ -284,6 +284,33 @@ def test_a_journal_trial_without_heartbeat_is_failed_and_queued_again(tmp_path, 
     assert shared.trials[1].params == shared.trials[0].params
 
 
+def test_a_config_whose_process_died_each_time_it_was_measured_is_said_on_resume(tmp_path, monkeypatch):
+    """Optuna's retry measures a stale trial's config again at most MAX_RETRIES times; after that
+    the config was left unmeasured in silence (helper 60: three SIGKILLs, and a seed was gone)."""
+    from autotune.space import config_key
+
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    measure, measured = fake_measure(lambda c: 1.0)
+    space = SearchSpace(SPACE)
+    study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=storage), measure=measure)
+    shared, _ = study.open_study(storage, "s")
+    doomed = {**baseline(), "dtype": "float16"}
+    shared.enqueue_trial(space.params(doomed))
+    monkeypatch.setattr(storages, "GRACE_S", 0)  # each holder dead at once
+    for _ in range(storages.MAX_RETRIES + 1):  # a run takes it, and dies holding it
+        trial = study._ask(shared)
+        trial.set_user_attr("config", doomed)
+        trial.set_user_attr("config_key", config_key(doomed))
+        study._heartbeat(shared._storage, trial)
+        study._fail_stale_trials(shared)
+    assert study._given_up(shared) == [doomed]
+    monkeypatch.setattr(storages, "GRACE_S", 20.0)
+    said = []
+    study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=storage), measure=measure,
+               on_step=said.append)
+    assert any(line.startswith("not measured again: [dtype=float16], whose process died 3 times") for line in said), said
+
+
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])
 def test_a_trial_whose_process_on_this_machine_has_ended_is_queued_again_at_once(tmp_path, kind):
     """A run killed with SIGKILL left its trial RUNNING; the next run on this machine waited out
