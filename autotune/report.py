@@ -32,7 +32,7 @@ from pathlib import Path
 from .choice import pareto_front
 from .console import RULED_OUT_SAID, count
 from .errors import AutotuneError, os_reason
-from .sizes import smallest_budget
+from .sizes import parse_margin, smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
                        display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
 
@@ -723,6 +723,10 @@ def plot_fronts(studies: list[StudyData]):
             if s.budget_bytes <= 1.5 * top:
                 ax.axvline(s.budget_bytes / scale, color=color, ls="--", lw=1.5,
                            label=f"{s.label}: {text}", gid=f"budget:{s.label}")
+                margin = parse_margin(s.margin, s.budget_bytes)
+                if margin:  # a peak fits left of this line, not the budget's: it leaves the margin free
+                    ax.axvline((s.budget_bytes - margin) / scale, color=color, ls=":", lw=1,
+                               label=f"{s.label}: budget less its margin of {s.margin}", gid=f"fits-below:{s.label}")
             else:  # far right of every point: said in the legend instead of squashing the chart
                 ax.plot([], [], color=color, ls="--", lw=1.5, label=f"{s.label}: {text} (right of the chart)",
                         gid=f"budget:{s.label}")

@@ -567,6 +567,19 @@ def test_a_study_name_with_spaces_or_an_at_sign_can_be_given(tmp_path):
         report.load(f"'{name}@{url}")
 
 
+def test_the_fronts_chart_draws_where_a_peak_fits_beside_the_budget(tmp_path):
+    # a point just left of the budget's line read as fitting, when its peak plus the margin did not
+    from autotune import report
+
+    (data,) = report.load(synthetic_study(tmp_path, {}))
+    data.budget_bytes, data.margin = 800 * 2**20, "5%"
+    lines = {ln.get_gid(): ln for ln in report.plot_fronts([data]).axes[0].lines}
+    assert set(lines[f"budget:{data.label}"].get_xdata()) == {800}  # axvline: two points, one x
+    assert list(lines[f"fits-below:{data.label}"].get_xdata()) == pytest.approx([760, 760], abs=0.01)
+    data.margin = "0"
+    assert f"fits-below:{data.label}" not in {ln.get_gid() for ln in report.plot_fronts([data]).axes[0].lines}
+
+
 def test_knob_importance_ranks_a_knob_the_baseline_does_not_have(tmp_path):
     """The knobs ranked were the first trial's, the baseline's: a conditional knob (a compile
     mode, drawn only where compile is on) was never ranked, and its effect went to others."""
