@@ -320,8 +320,10 @@ def terminate_as_interrupt() -> None:
         else:
             previous(info)
 
+    unraisable.redelivers_interrupts = True
     if threading.current_thread() is threading.main_thread():
-        sys.unraisablehook = unraisable
+        if not getattr(sys.unraisablehook, "redelivers_interrupts", False):  # once per process
+            sys.unraisablehook = unraisable
         signal.signal(signal.SIGTERM, interrupt)
         # a closed terminal or SSH session: --gpus workers run in sessions of their own and hear
         # of it only from here

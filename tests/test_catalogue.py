@@ -375,9 +375,20 @@ def test_a_ctrl_c_inside_a_call_or_while_it_waits_leaves_nothing_held():
     one interrupting the call held: the hold is left free and SDPA's switches as found."""
     import signal
 
+    assert threading.current_thread() is threading.main_thread()  # where Python raises KeyboardInterrupt
+    # Python's own SIGINT handler: a CLI test run in this process before may have left autotune's
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_waiting_and_a_held_call()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_waiting_and_a_held_call():
+    import signal
+
     from autotune.knobs import attention
 
-    assert threading.current_thread() is threading.main_thread()  # where Python raises KeyboardInterrupt
     on_math, on_flash = _Denoiser(), _Denoiser()
     attention._hold_sdpa_kernel(on_math, "MATH")
     attention._hold_sdpa_kernel(on_flash, "FLASH_ATTENTION")

@@ -419,7 +419,12 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
                       key=lambda t: t.user_attrs["result"]["latency_s"])
     fastest = feasible[0].user_attrs["result"]["latency_s"]
     close = [t.number for t in feasible if t.user_attrs["result"]["latency_s"] <= 1.5 * fastest]
-    contenders = close[:3] + ([0] if 0 in close[3:] else [])
+    # the baseline too when close, or when timed beside other processes' work (its figure sets
+    # every speedup): study.contenders
+    from autotune.measure import busy_cores
+
+    busy_baseline = busy_cores(trials[0].user_attrs["result"]) is not None
+    contenders = close[:3] + ([0] if 0 in close[3:] or (0 not in close[:3] and busy_baseline) else [])
     confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
     assert len(contenders) > 1, [t.user_attrs["result"]["latency_s"] for t in feasible]
     assert sorted(map(int, confirmed)) == sorted(contenders)

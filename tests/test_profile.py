@@ -199,7 +199,9 @@ def _loaded_quantized(unet, library: str):
     from diffusers import QuantoConfig, TorchAoConfig, UNet2DConditionModel
     from torchao.quantization import Int8WeightOnlyConfig
 
-    config = TorchAoConfig(Int8WeightOnlyConfig()) if library == "torchao" else QuantoConfig(weights_dtype="int8")
+    # set_inductor_config=False: torchao's default sets process-wide inductor flags, for good
+    config = (TorchAoConfig(Int8WeightOnlyConfig(set_inductor_config=False)) if library == "torchao"
+              else QuantoConfig(weights_dtype="int8"))
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # diffusers 0.42 deprecates its quanto quantizer (for 1.0)
         unet.save_pretrained(folder)
