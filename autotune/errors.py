@@ -104,3 +104,5 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
             raise error(f"{what} {path}: it uses the tag {name}{at}, which safe loading refuses "
                         "(it builds no Python objects or custom types): write plain values") from None
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively: 1000 '[' end it so
+        raise error(f"{what} {path}: not valid YAML (nested too deeply){hint}") from None

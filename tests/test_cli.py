@@ -244,6 +244,7 @@ def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
     [
         ("knobs:\n  warp_drive: [on]\n", "unknown knob 'warp_drive'"),
         ("knobs: [dtype\n", "not valid YAML"),
+        pytest.param("[" * 100000, "not valid YAML (nested too deeply)", id="nested-too-deeply"),  # a RecursionError
     ],
 )
 def test_bad_space_files_give_one_line(cli, tmp_path, text, message):
@@ -253,7 +254,9 @@ def test_bad_space_files_give_one_line(cli, tmp_path, text, message):
 
 @pytest.mark.parametrize(
     "content, message",
-    [("", "empty"), ("autotune_profile: 1\nmodel: {name: x\n", "not valid YAML"), ("autotune_profile: 7\n", "format version 7")],
+    [("", "empty"), ("autotune_profile: 1\nmodel: {name: x\n", "not valid YAML"), ("autotune_profile: 7\n", "format version 7"),
+     pytest.param("autotune_profile: 1\nmodel: " + "[" * 100000, "not valid YAML (nested too deeply)",
+                  id="nested-too-deeply")],  # a RecursionError
 )
 def test_bad_profiles_give_one_line(cli, tmp_path, content, message):
     (tmp_path / "p.yaml").write_text(content)
