@@ -767,7 +767,7 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
 
     configs: list[dict] = []
     for source in sources:
-        if Path(source).is_file():
+        if Path(source).exists() and not Path(source).is_dir():  # load_profile refuses a device or a FIFO
             profile = load_profile(source)
             check_model(source, profile.model.name)
             configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]

@@ -263,6 +263,19 @@ def test_bad_profiles_give_one_line(cli, tmp_path, content, message):
     assert message in one_line_error(cli("show", "p.yaml"))
 
 
+@pytest.mark.parametrize("args", [
+    ["show", "fifo.yaml"],
+    ["verify", "fifo.yaml"],
+    ["--model", "tiny-sd15", "--space", "fifo.yaml", "--list-knobs"],
+    ["--model", "tiny-sd15", "--warm-start", "fifo.yaml", "--trials", "1"],  # was "no such profile file"
+])
+def test_a_yaml_path_that_is_no_regular_file_is_refused_before_reading_it(cli, tmp_path, args):
+    # a FIFO waited forever for a writer; /dev/zero, a device, was read until memory ran out
+    os.mkfifo(tmp_path / "fifo.yaml")
+    line = one_line_error(cli(*args, timeout=120))
+    assert "fifo.yaml: not a regular file (a device or a pipe?)" in line
+
+
 def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
     proc = cli("--model", "tiny-sdxl", "--list-knobs")
     assert proc.returncode == 0, proc.stderr
