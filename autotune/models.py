@@ -207,9 +207,13 @@ def _no_configs(name: str) -> ModelError:
 
 def _family_from_index(index_file: Path, where: str) -> str:
     try:
-        class_name = json.loads(index_file.read_text()).get("_class_name")
+        index = json.loads(index_file.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {index_file}: {e}") from e
+    class_name = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(class_name, str):  # valid JSON of another shape: a list, a list for the name
+        raise ModelError(f"cannot read {index_file}: not a diffusers model index (a mapping whose "
+                         '"_class_name" names the pipeline class)')
     family = _FAMILY_OF_CLASS.get(class_name)
     if family is None:
         raise ModelError(

@@ -183,6 +183,15 @@ def test_local_directory_errors(tmp_path):
     assert "single-file" in error_of(lambda: resolve_model(str(tmp_path / "model.safetensors")))
 
 
+@pytest.mark.parametrize("index", ["[]", '{"_class_name": ["a"]}', '{"_class_name": null}', "{}"])
+def test_a_model_index_that_names_no_pipeline_class_is_one_line(tmp_path, index):
+    # valid JSON of another shape: AttributeError ('list' has no get) or TypeError (unhashable list)
+    (tmp_path / "model_index.json").write_text(index)
+    message = error_of(lambda: resolve_model(str(tmp_path)))
+    assert message == (f"cannot read {tmp_path / 'model_index.json'}: not a diffusers model index (a mapping "
+                       'whose "_class_name" names the pipeline class)')
+
+
 @pytest.mark.parametrize("source, message", [
     ("/nonexistent/model", "no such model folder /nonexistent/model"),
     ("./gone", "no such model folder ./gone"),
