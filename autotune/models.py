@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError
+from .errors import ModelError, os_reason
 from .workload import Workload
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
@@ -175,9 +175,13 @@ def resolve_model(name: str, random_weights: bool = False) -> ModelSpec:
         raise ModelError(f"--random-weights needs a built-in architecture: use one of {choices}")
 
     path = Path(key).expanduser()
-    if path.is_dir():
-        return _from_directory(path.resolve())
-    if path.exists():
+    try:
+        if path.is_dir():
+            return _from_directory(path.resolve())
+        is_there = path.exists()
+    except OSError as exc:  # a folder on the way that this user may not search (mode 000)
+        raise ModelError(f"cannot read '{key}' ({os_reason(exc)})") from None
+    if is_there:
         raise ModelError(
             f"'{key}' is a file: single-file checkpoints are not supported; "
             "give a pipeline directory (pipe.save_pretrained(dir)) or a hub id"
