@@ -174,7 +174,8 @@ def resolve_model(name: str, random_weights: bool = False) -> ModelSpec:
         choices = ", ".join(_random_aliases())
         raise ModelError(f"--random-weights needs a built-in architecture: use one of {choices}")
 
-    path = Path(key).expanduser()
+    # os.path's expanduser leaves ~nouser as it is (no such folder, said below); pathlib's raises
+    path = Path(os.path.expanduser(key))
     try:
         if path.is_dir():
             return _from_directory(path.resolve())
@@ -273,7 +274,7 @@ def _cached_index(source: str) -> str:
     """The cached model_index.json of a source that is no folder here. A source written as a
     path is a folder that is gone: said so, not as the hub's complaint about a repo id."""
     if _is_path(source):
-        there = " (a file is there)" if Path(source).expanduser().exists() else ""
+        there = " (a file is there)" if Path(os.path.expanduser(source)).exists() else ""  # ~nouser: as it is
         raise ModelError(f"no such model folder {source}{there}")
     from huggingface_hub import try_to_load_from_cache
 

@@ -100,6 +100,7 @@ def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_
         (["--sampler-seed", "-1"], "--sampler-seed: must be from 0 to 2**32 - 1"),  # else numpy's traceback
         (["--sampler-seed", str(2**32)], "--sampler-seed: must be from 0 to 2**32 - 1"),
         (["--model", ""], "--model is empty"),
+        (["--model", "~nouser/x", "--list-knobs"], "no such directory '~nouser/x'"),  # expanduser's RuntimeError
         (["--study-name", "", "--trials", "1"], "--study-name is empty"),
         (["--no-profile", "-o", "p.yaml"], "which --no-profile does not write"),
         (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),

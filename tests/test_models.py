@@ -183,6 +183,8 @@ def test_local_directory_errors(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
     assert "KandinskyPipeline" in error_of(lambda: resolve_model(str(tmp_path)))
     assert "no such directory" in error_of(lambda: resolve_model(str(tmp_path / "missing")))
+    # the home of no user here: pathlib's RuntimeError "Could not determine home directory"
+    assert error_of(lambda: resolve_model("~nouser/x")).startswith("no such directory '~nouser/x'")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert "single-file" in error_of(lambda: resolve_model(str(tmp_path / "model.safetensors")))
 
@@ -224,6 +226,7 @@ def test_a_model_index_that_names_no_pipeline_class_is_one_line(tmp_path, index)
     ("../gone/model", "no such model folder ../gone/model"),
     ("models/sdxl/base", "no such model folder models/sdxl/base"),  # a path, not an org/name hub id
     ("not a repo!", "'not a repo!' is neither a model folder nor a hub id (org/name)"),
+    ("~nouser/model", "no such model folder ~nouser/model"),  # a RuntimeError from expanduser
 ])
 def test_a_source_that_is_no_folder_here_is_one_line(source, message, offline):
     # a path was handed to the hub as a repo id: "HFValidationError: Repo id must be in the form..."
