@@ -119,9 +119,15 @@ def storage_file(url: str) -> Path | None:
     Parsed by SQLAlchemy, so that a query string (`?timeout=30`), a driver (`sqlite+pysqlite`)
     and escapes (`%3F`) mean what they mean when the storage opens."""
     if url.startswith("journal:"):
-        return Path(url[len("journal:"):])
-    sqlite = _sqlite(url)
-    return Path(sqlite.database) if sqlite is not None and sqlite.database not in _IN_MEMORY else None
+        name = url[len("journal:"):]
+    else:
+        sqlite = _sqlite(url)
+        if sqlite is None or sqlite.database in _IN_MEMORY:
+            return None
+        name = sqlite.database
+    if "\0" in name:  # %00 decoded: every use of the path would be "ValueError: embedded null byte"
+        raise AutotuneError(f"storage {url}: its file name holds a NUL byte (%00), which no file name can")
+    return Path(name)
 
 
 def _server_url(url: str):

@@ -83,6 +83,9 @@ def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_
         (["--storage", "sqlite:///nosuchdir/s.db", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
+        # %00 decodes to a NUL byte, which no path holds: "ValueError: embedded null byte"
+        (["--storage", "sqlite:///a%00b.db", "--trials", "1"], "storage sqlite:///a%00b.db: its file name holds a NUL byte"),
+        (["export", "--study-name", "x", "--storage", "sqlite:///%00"], "storage sqlite:///%00: its file name holds a NUL"),
         (["--storage", "studies.db", "--trials", "1"], "not a storage URL; for a SQLite file write sqlite:///studies.db"),
         pytest.param(["--storage", "mysql://me@127.0.0.1/db", "--trials", "1"],
                      "its database driver is not installed (no module MySQLdb)",
