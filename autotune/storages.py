@@ -10,6 +10,7 @@ retried.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import warnings
@@ -21,10 +22,23 @@ from .errors import AutotuneError
 if TYPE_CHECKING:  # optuna is imported where a storage opens: the CLI's --help stays quick
     import optuna
 
+
+def _seconds_from_env(name: str, default: float) -> tuple[float, str | None]:
+    """The environment variable `name` in seconds (`default` where unset), and its text where it
+    is no number of seconds, the default kept then."""
+    text = os.environ.get(name)
+    try:
+        value = default if text is None else float(text)
+    except ValueError:
+        return default, text
+    return (value, None) if 0 <= value < math.inf else (default, text)  # nan: no trial ever stale
+
+
 HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial runs
 # A RUNNING trial without a heartbeat for this long was orphaned: failed, retried. The environment
-# variable shortens it for the tests that kill workers.
-GRACE_S = float(os.environ.get("AUTOTUNE_STALE_AFTER_S", 20))
+# variable shortens it for the tests that kill workers. A value that is no number of seconds is said
+# where a storage opens (open_storage): read here, at import, it was a traceback on --help too.
+GRACE_S, _BAD_GRACE = _seconds_from_env("AUTOTUNE_STALE_AFTER_S", 20.0)
 MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
 DEFAULT_WORKDIR = Path("autotune-studies")  # trial folders, compile cache and the default storage
 
@@ -194,6 +208,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
 
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
+    if _BAD_GRACE is not None:  # the heartbeats' grace, which every storage that keeps trials uses
+        raise AutotuneError(f"AUTOTUNE_STALE_AFTER_S={_BAD_GRACE!r}: not a number of seconds (unset, it is {GRACE_S:g})")
     shown = display_url(url)
     path = check_file(url, must_exist=existing)  # a reader creates nothing
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"

@@ -120,6 +120,13 @@ def test_bad_input_gives_one_line_and_a_non_zero_exit(cli, args, message):
     assert message in line
 
 
+def test_a_bad_stale_after_setting_is_one_line_where_a_storage_opens(cli, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_STALE_AFTER_S", "abc")
+    assert cli("--help").returncode == 0  # read at import, it was a ValueError's traceback on every command
+    line = one_line_error(cli("--model", "tiny-sd15", "--vram", "1GB", "--trials", "1"))
+    assert line == "autotune: error: AUTOTUNE_STALE_AFTER_S='abc': not a number of seconds (unset, it is 20)"
+
+
 def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
     # the run was refused, but it had made autotune-studies/studies.db first
     line = one_line_error(cli("-o", "/proc/x.yaml", "--trials", "1"))
