@@ -315,6 +315,23 @@ def test_list_knobs_piped_lays_the_table_out_wider_than_a_terminal(tmp_path):
     assert 80 < max(map(len, table)) <= 160
 
 
+@pytest.mark.parametrize("columns", ["0", "5", "abc"])
+def test_a_columns_too_narrow_or_unparsable_is_ignored(tmp_path, columns):
+    """COLUMNS=0 printed nothing at all (rich laid every line out in no columns), 5 a column of
+    letters; one that is no number kept a pipe's output at rich's 80 columns."""
+    import subprocess
+
+    from autotune.knobs import baseline
+
+    write_profile(tmp_path / "p.yaml", config=baseline())
+    without = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    for args in (["show", "p.yaml"], ["--model", "tiny-sd15", "--list-knobs"]):
+        outputs = [subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
+                                  cwd=tmp_path, env=env) for env in (dict(without, COLUMNS=columns), without)]
+        assert outputs[0].returncode == 0, outputs[0].stderr
+        assert outputs[0].stdout == outputs[1].stdout  # laid out as without COLUMNS (piped: 160 columns)
+
+
 def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
     """Names are copied from it into space files: an ellipsis in one would make a wrong value."""
     import subprocess
