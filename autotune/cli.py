@@ -77,6 +77,16 @@ def a_storage_url(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    """--device's value as written: a name autotune does not know is bad usage (exit 2), before
+    anything loads; whether the device is usable here is _resolve_device's to say."""
+    from .fingerprint import is_device_name
+
+    if text != "auto" and not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a device: expected cuda, cuda:N or cpu")
+    return text
+
+
 def _rounds(text: str) -> int:
     return _whole_number(text, 0)
 
@@ -181,7 +191,7 @@ def tune_parser() -> argparse.ArgumentParser:
     b.add_argument("--margin", type=_margin, default="5%", metavar="SIZE_OR_PERCENT",
                    help="safety margin kept free under the budget: a config fits when its peak "
                    "plus the margin is within the budget, e.g. 5%%, 512MB, 0 (default 5%%)")
-    b.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
+    b.add_argument("--device", type=_device, default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
     b.add_argument("--gpus", type=_gpu_list, metavar="0,1,...",
                    help="one worker per GPU, each trial pinned to its worker's GPU, all in one study "
                    "(the GPUs must be of one model)")
@@ -948,7 +958,7 @@ def _profile_command(argv: list[str]) -> int:
     p = _Parser(prog=f"autotune {command}", description=descriptions[command])
     p.add_argument("profile", type=a_path)
     if command == "verify":
-        p.add_argument("--device", help="where to replay it (default: where it was measured)")
+        p.add_argument("--device", type=_device, help="where to replay it (default: where it was measured)")
         p.add_argument("--repeats", type=_positive_int,
                        help="timed calls at least (default: as many as the profile was measured with)")
         p.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",

@@ -56,7 +56,7 @@ def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),
-        (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["--device", "tpu"], "'tpu' is not a device: expected cuda, cuda:N or cpu"),
         (["--gpus", "99"], "--gpus: no"),  # no CUDA here, or no GPU 99 on a GPU machine
         (["--margin", "lots"], "not a margin"),
         (["--margin", "100%"], "under 100%"),
@@ -125,6 +125,15 @@ def test_a_bad_stale_after_setting_is_one_line_where_a_storage_opens(cli, monkey
     assert cli("--help").returncode == 0  # read at import, it was a ValueError's traceback on every command
     line = one_line_error(cli("--model", "tiny-sd15", "--vram", "1GB", "--trials", "1"))
     assert line == "autotune: error: AUTOTUNE_STALE_AFTER_S='abc': not a number of seconds (unset, it is 20)"
+
+
+@pytest.mark.parametrize("device", ["mps", "cpu:3", "CPU", ""])
+def test_a_device_autotune_does_not_know_is_a_usage_error(cli, device):
+    # it exited 1, as an unusable file does, where every other bad option value exits 2
+    proc = cli("--model", "tiny-sd15", "--device", device, "--list-knobs")
+    assert proc.returncode == 2
+    assert one_line_error(proc) == (f"autotune: error: argument --device: '{device}' is not a device: expected "
+                                    "cuda, cuda:N or cpu (see autotune --help)")
 
 
 def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
@@ -805,20 +814,20 @@ def _no_cuda():
 
 
 @pytest.mark.parametrize(
-    "device, args, message",
+    "device, args, message, code",
     [
-        ("cpu", ["--device", "gpu"], "--device gpu: expected cuda, cuda:N or cpu"),
+        ("cpu", ["--device", "gpu"], "argument --device: 'gpu' is not a device: expected cuda, cuda:N or cpu", 2),
         pytest.param("cuda", [], "measured on cuda, and no CUDA GPU is usable here; replay it on the CPU with "
-                     "--device cpu", marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
-        pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here",
+                     "--device cpu", 1, marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
+        pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here", 1,
                      marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
     ],
     ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda"],
 )
-def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message):
+def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message, code):
     write_profile(tmp_path / "p.yaml", device=device)
     proc = cli("verify", "p.yaml", *args)
-    assert proc.returncode == 1
+    assert proc.returncode == code  # a device autotune does not know is bad usage (2), as any bad option value
     assert message in one_line_error(proc)
     assert "replayed peak" not in proc.stdout  # no verdict: nothing was replayed
 
