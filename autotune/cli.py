@@ -26,6 +26,9 @@ from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, d
                        open_storage, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
+# A study name is a folder's name (trials, compile cache): 255 bytes (NAME_MAX) on Linux and macOS,
+# less headroom for what a name might get added later
+MAX_STUDY_NAME_BYTES = 200
 PROFILE_COMMANDS = ("show", "verify")
 
 
@@ -701,6 +704,10 @@ def _check_study_name(name: str) -> None:
         raise UsageError(f"--study-name {name!r}: a study name is one line of printable text")
     if "/" in name or os.sep in name or name in (".", ".."):
         raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
+    size = len(name.encode())  # in bytes, as a folder's name is held to
+    if size > MAX_STUDY_NAME_BYTES:
+        raise UsageError(f"--study-name is {size} bytes long (UTF-8): a study name names a folder, of "
+                         f"{MAX_STUDY_NAME_BYTES} bytes at most")
 
 
 def _check_storage_keeps(storage: str) -> None:

@@ -112,6 +112,9 @@ def test_a_stop_signal_as_the_interpreter_ends_exits_with_the_commands_code(tmp_
         (["--storage", ""], "argument --storage: empty: give a storage URL"),  # ran on the default one
         (["report", "--storage", " ", "--out", "r"], "argument --storage: empty: give a storage URL"),
         (["--study-name", "a\nb", "--trials", "1"], "a study name is one line of printable text"),
+        # a folder's name: "File name too long" after the reference calls, the study made already
+        (["--study-name", "a" * 300, "--trials", "1"], "--study-name is 300 bytes long (UTF-8): a study name names a "
+                                                       "folder, of 200 bytes at most"),
         (["export", "--study-name", "x", "-o", "/proc/x.yaml"], "profile /proc/x.yaml: cannot write in /proc"),
     ],
 )
@@ -134,6 +137,13 @@ def test_a_device_autotune_does_not_know_is_a_usage_error(cli, device):
     assert proc.returncode == 2
     assert one_line_error(proc) == (f"autotune: error: argument --device: '{device}' is not a device: expected "
                                     "cuda, cuda:N or cpu (see autotune --help)")
+
+
+def test_a_study_name_too_long_for_a_folder_is_refused_before_a_storage_is_made(cli, tmp_path):
+    # its length in bytes is what a folder's name is held to: 128 characters, 256 bytes
+    line = one_line_error(cli("--model", "tiny-sd15", "--study-name", "é" * 128, "--trials", "1"))
+    assert "--study-name is 256 bytes long (UTF-8)" in line
+    assert not (tmp_path / "autotune-studies" / "studies.db").exists()
 
 
 def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
