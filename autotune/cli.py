@@ -26,6 +26,9 @@ from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, d
                        open_storage, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
+# A study name is a folder's name (trials, compile cache): 255 bytes (NAME_MAX) on Linux and macOS,
+# less headroom for what a name might get added later
+MAX_STUDY_NAME_BYTES = 200
 PROFILE_COMMANDS = ("show", "verify")
 
 
@@ -74,6 +77,16 @@ def a_storage_url(text: str) -> str:
     """--storage's value: an empty one would fall back to the default storage unsaid."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty: give a storage URL, or leave the option out for the default")
+    return text
+
+
+def _device(text: str) -> str:
+    """--device's value as written: a name autotune does not know is bad usage (exit 2), before
+    anything loads; whether the device is usable here is _resolve_device's to say."""
+    from .fingerprint import is_device_name
+
+    if text != "auto" and not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a device: expected cuda, cuda:N or cpu")
     return text
 
 
@@ -181,7 +194,7 @@ def tune_parser() -> argparse.ArgumentParser:
     b.add_argument("--margin", type=_margin, default="5%", metavar="SIZE_OR_PERCENT",
                    help="safety margin kept free under the budget: a config fits when its peak "
                    "plus the margin is within the budget, e.g. 5%%, 512MB, 0 (default 5%%)")
-    b.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
+    b.add_argument("--device", type=_device, default="auto", help="cuda, cuda:N or cpu (default: cuda if usable)")
     b.add_argument("--gpus", type=_gpu_list, metavar="0,1,...",
                    help="one worker per GPU, each trial pinned to its worker's GPU, all in one study "
                    "(the GPUs must be of one model)")
@@ -717,6 +730,10 @@ def _check_study_name(name: str) -> None:
         raise UsageError(f"--study-name {name!r}: a study name is one line of printable text")
     if "/" in name or os.sep in name or name in (".", ".."):
         raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
+    size = len(name.encode())  # in bytes, as a folder's name is held to
+    if size > MAX_STUDY_NAME_BYTES:
+        raise UsageError(f"--study-name is {size} bytes long (UTF-8): a study name names a folder, of "
+                         f"{MAX_STUDY_NAME_BYTES} bytes at most")
 
 
 def _check_storage_keeps(storage: str) -> None:
@@ -793,7 +810,7 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
 
     configs: list[dict] = []
     for source in sources:
-        if Path(source).is_file():
+        if Path(source).exists() and not Path(source).is_dir():  # load_profile refuses a device or a FIFO
             profile = load_profile(source)
             check_model(source, profile.model.name)
             configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]
@@ -981,7 +998,7 @@ def _profile_command(argv: list[str]) -> int:
     p = _Parser(prog=f"autotune {command}", description=descriptions[command])
     p.add_argument("profile", type=a_path)
     if command == "verify":
-        p.add_argument("--device", help="where to replay it (default: where it was measured)")
+        p.add_argument("--device", type=_device, help="where to replay it (default: where it was measured)")
         p.add_argument("--repeats", type=_positive_int,
                        help="timed calls at least (default: as many as the profile was measured with)")
         p.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",

@@ -26,14 +26,20 @@ def count(n: int, word: str, plural: str | None = None) -> str:
 # Piped into a file, a pager or grep, rich lays tables out at 80 columns, and the knob table
 # (--list-knobs) folds each help text over several lines; this keeps a row on one line.
 PIPED_WIDTH = 160
+# A COLUMNS below this, or no number, is ignored: rich took COLUMNS=0 and printed nothing at all.
+MIN_COLUMNS = 20
 
 
 def terminal() -> Console:
     # No rich markup or emoji codes: what autotune prints holds paths, names and configs in
     # brackets (a file "[/x].yaml", "[dtype=bfloat16]"), which markup would swallow or fail on,
     # and a name with ":cross_mark:" in it is a name.
-    out = Console(stderr=False, highlight=False, soft_wrap=True, markup=False, emoji=False)
-    if not out.is_terminal and "COLUMNS" not in os.environ:  # COLUMNS: the user's own width wins
+    columns = os.environ.get("COLUMNS", "")
+    asked = columns.isdigit() and int(columns) >= MIN_COLUMNS  # COLUMNS: the user's own width wins
+    # rich reads COLUMNS from the environment it is given (rich's _environ, as its own tests give one)
+    environ = os.environ if asked else {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = Console(stderr=False, highlight=False, soft_wrap=True, markup=False, emoji=False, _environ=environ)
+    if not out.is_terminal and not asked:
         out.width = PIPED_WIDTH
     return out
 

@@ -78,10 +78,16 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     loader; each way the file can fail is `error` with one line that names it (invalid YAML
     followed by `hint`)."""
     import re
+    import stat
 
     import yaml
 
     try:
+        mode = path.stat().st_mode
+        # a device (/dev/zero) is read until memory runs out, a FIFO waits for a writer: refused
+        # unread (a folder is said below, as it fails to read)
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise error(f"{what} {path}: not a regular file (a device or a pipe?)")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{what} {path}: no such file") from None
@@ -104,3 +110,5 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
             raise error(f"{what} {path}: it uses the tag {name}{at}, which safe loading refuses "
                         "(it builds no Python objects or custom types): write plain values") from None
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively: 1000 '[' end it so
+        raise error(f"{what} {path}: not valid YAML (nested too deeply){hint}") from None

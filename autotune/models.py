@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError
+from .errors import ModelError, os_reason
 from .workload import Workload
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
@@ -174,10 +174,15 @@ def resolve_model(name: str, random_weights: bool = False) -> ModelSpec:
         choices = ", ".join(_random_aliases())
         raise ModelError(f"--random-weights needs a built-in architecture: use one of {choices}")
 
-    path = Path(key).expanduser()
-    if path.is_dir():
-        return _from_directory(path.resolve())
-    if path.exists():
+    # os.path's expanduser leaves ~nouser as it is (no such folder, said below); pathlib's raises
+    path = Path(os.path.expanduser(key))
+    try:
+        if path.is_dir():
+            return _from_directory(path.resolve())
+        is_there = path.exists()
+    except OSError as exc:  # a folder on the way that this user may not search (mode 000)
+        raise ModelError(f"cannot read '{key}' ({os_reason(exc)})") from None
+    if is_there:
         raise ModelError(
             f"'{key}' is a file: single-file checkpoints are not supported; "
             "give a pipeline directory (pipe.save_pretrained(dir)) or a hub id"
@@ -207,9 +212,13 @@ def _no_configs(name: str) -> ModelError:
 
 def _family_from_index(index_file: Path, where: str) -> str:
     try:
-        class_name = json.loads(index_file.read_text()).get("_class_name")
+        index = json.loads(index_file.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {index_file}: {e}") from e
+    class_name = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(class_name, str):  # valid JSON of another shape: a list, a list for the name
+        raise ModelError(f"cannot read {index_file}: not a diffusers model index (a mapping whose "
+                         '"_class_name" names the pipeline class)')
     family = _FAMILY_OF_CLASS.get(class_name)
     if family is None:
         raise ModelError(
@@ -265,7 +274,7 @@ def _cached_index(source: str) -> str:
     """The cached model_index.json of a source that is no folder here. A source written as a
     path is a folder that is gone: said so, not as the hub's complaint about a repo id."""
     if _is_path(source):
-        there = " (a file is there)" if Path(source).expanduser().exists() else ""
+        there = " (a file is there)" if Path(os.path.expanduser(source)).exists() else ""  # ~nouser: as it is
         raise ModelError(f"no such model folder {source}{there}")
     from huggingface_hub import try_to_load_from_cache
 

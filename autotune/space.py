@@ -262,7 +262,8 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
     unknown = set(data) - {"extends", "knobs", "forbid", "seeds"}
     if unknown:
-        raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(unknown))}")
+        # as text: YAML reads `1:` as a number, and numbers and names do not sort together
+        raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(map(str, unknown)))}")
     knobs, forbid, seeds = {}, [], []
     if data.get("extends"):
         parent = data["extends"]

@@ -10,6 +10,7 @@ retried.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import warnings
@@ -21,10 +22,23 @@ from .errors import AutotuneError
 if TYPE_CHECKING:  # optuna is imported where a storage opens: the CLI's --help stays quick
     import optuna
 
+
+def _seconds_from_env(name: str, default: float) -> tuple[float, str | None]:
+    """The environment variable `name` in seconds (`default` where unset), and its text where it
+    is no number of seconds, the default kept then."""
+    text = os.environ.get(name)
+    try:
+        value = default if text is None else float(text)
+    except ValueError:
+        return default, text
+    return (value, None) if 0 <= value < math.inf else (default, text)  # nan: no trial ever stale
+
+
 HEARTBEAT_S = 5  # a parent alive writes a heartbeat this often while its trial runs
 # A RUNNING trial without a heartbeat for this long was orphaned: failed, retried. The environment
-# variable shortens it for the tests that kill workers.
-GRACE_S = float(os.environ.get("AUTOTUNE_STALE_AFTER_S", 20))
+# variable shortens it for the tests that kill workers. A value that is no number of seconds is said
+# where a storage opens (open_storage): read here, at import, it was a traceback on --help too.
+GRACE_S, _BAD_GRACE = _seconds_from_env("AUTOTUNE_STALE_AFTER_S", 20.0)
 MAX_RETRIES = 2  # an orphaned trial is measured again at most this often
 DEFAULT_WORKDIR = Path("autotune-studies")  # trial folders, compile cache and the default storage
 
@@ -119,9 +133,15 @@ def storage_file(url: str) -> Path | None:
     Parsed by SQLAlchemy, so that a query string (`?timeout=30`), a driver (`sqlite+pysqlite`)
     and escapes (`%3F`) mean what they mean when the storage opens."""
     if url.startswith("journal:"):
-        return Path(url[len("journal:"):])
-    sqlite = _sqlite(url)
-    return Path(sqlite.database) if sqlite is not None and sqlite.database not in _IN_MEMORY else None
+        name = url[len("journal:"):]
+    else:
+        sqlite = _sqlite(url)
+        if sqlite is None or sqlite.database in _IN_MEMORY:
+            return None
+        name = sqlite.database
+    if "\0" in name:  # %00 decoded: every use of the path would be "ValueError: embedded null byte"
+        raise AutotuneError(f"storage {url}: its file name holds a NUL byte (%00), which no file name can")
+    return Path(name)
 
 
 def _server_url(url: str):
@@ -188,6 +208,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
 
     if url == "memory":  # nothing kept: for replays and tests of the search itself
         return optuna.storages.InMemoryStorage()
+    if _BAD_GRACE is not None:  # the heartbeats' grace, which every storage that keeps trials uses
+        raise AutotuneError(f"AUTOTUNE_STALE_AFTER_S={_BAD_GRACE!r}: not a number of seconds (unset, it is {GRACE_S:g})")
     shown = display_url(url)
     path = check_file(url, must_exist=existing)  # a reader creates nothing
     if path is not None and not path.parent.is_dir():  # else SQLite's "unable to open database file"

@@ -84,7 +84,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),
-        (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["--device", "tpu"], "'tpu' is not a device: expected cuda, cuda:N or cpu"),
         (["--gpus", "99"], "--gpus: no"),  # no CUDA here, or no GPU 99 on a GPU machine
         (["--margin", "lots"], "not a margin"),
         (["--margin", "100%"], "under 100%"),
@@ -111,6 +111,9 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--storage", "sqlite:///nosuchdir/s.db", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "journal:nosuchdir/s.log", "--trials", "1"], "no such folder nosuchdir"),
         (["--storage", "memory", "--trials", "1"], "keeps nothing after the run"),
+        # %00 decodes to a NUL byte, which no path holds: "ValueError: embedded null byte"
+        (["--storage", "sqlite:///a%00b.db", "--trials", "1"], "storage sqlite:///a%00b.db: its file name holds a NUL byte"),
+        (["export", "--study-name", "x", "--storage", "sqlite:///%00"], "storage sqlite:///%00: its file name holds a NUL"),
         (["--storage", "studies.db", "--trials", "1"], "not a storage URL; for a SQLite file write sqlite:///studies.db"),
         pytest.param(["--storage", "mysql://me@127.0.0.1/db", "--trials", "1"],
                      "its database driver is not installed (no module MySQLdb)",
@@ -128,6 +131,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--sampler-seed", "-1"], "--sampler-seed: must be from 0 to 2**32 - 1"),  # else numpy's traceback
         (["--sampler-seed", str(2**32)], "--sampler-seed: must be from 0 to 2**32 - 1"),
         (["--model", ""], "--model is empty"),
+        (["--model", "~nouser/x", "--list-knobs"], "no such directory '~nouser/x'"),  # expanduser's RuntimeError
         (["--study-name", "", "--trials", "1"], "--study-name is empty"),
         (["--no-profile", "-o", "p.yaml"], "which --no-profile does not write"),
         (["--gpus", "0", "--device", "cpu"], "--device cpu contradicts it"),
@@ -136,6 +140,9 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--storage", ""], "argument --storage: empty: give a storage URL"),  # ran on the default one
         (["report", "--storage", " ", "--out", "r"], "argument --storage: empty: give a storage URL"),
         (["--study-name", "a\nb", "--trials", "1"], "a study name is one line of printable text"),
+        # a folder's name: "File name too long" after the reference calls, the study made already
+        (["--study-name", "a" * 300, "--trials", "1"], "--study-name is 300 bytes long (UTF-8): a study name names a "
+                                                       "folder, of 200 bytes at most"),
         (["export", "--study-name", "x", "-o", "/proc/x.yaml"], "profile /proc/x.yaml: cannot write in /proc"),
     ],
 )
@@ -162,6 +169,29 @@ def test_a_warm_start_from_a_study_with_no_front_yet_warns(tmp_path):
     optuna.create_study(study_name="ours", storage=url).set_user_attr("request", {"model": {"name": "tiny-sd15"}})
     with pytest.warns(UserWarning, match="no config that fits its budget yet: nothing to start from"):
         assert _warm_start_configs([f"ours@{url}"], url, "tiny-sd15") == []
+
+
+def test_a_bad_stale_after_setting_is_one_line_where_a_storage_opens(cli, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_STALE_AFTER_S", "abc")
+    assert cli("--help").returncode == 0  # read at import, it was a ValueError's traceback on every command
+    line = one_line_error(cli("--model", "tiny-sd15", "--vram", "1GB", "--trials", "1"))
+    assert line == "autotune: error: AUTOTUNE_STALE_AFTER_S='abc': not a number of seconds (unset, it is 20)"
+
+
+@pytest.mark.parametrize("device", ["mps", "cpu:3", "CPU", ""])
+def test_a_device_autotune_does_not_know_is_a_usage_error(cli, device):
+    # it exited 1, as an unusable file does, where every other bad option value exits 2
+    proc = cli("--model", "tiny-sd15", "--device", device, "--list-knobs")
+    assert proc.returncode == 2
+    assert one_line_error(proc) == (f"autotune: error: argument --device: '{device}' is not a device: expected "
+                                    "cuda, cuda:N or cpu (see autotune --help)")
+
+
+def test_a_study_name_too_long_for_a_folder_is_refused_before_a_storage_is_made(cli, tmp_path):
+    # its length in bytes is what a folder's name is held to: 128 characters, 256 bytes
+    line = one_line_error(cli("--model", "tiny-sd15", "--study-name", "é" * 128, "--trials", "1"))
+    assert "--study-name is 256 bytes long (UTF-8)" in line
+    assert not (tmp_path / "autotune-studies" / "studies.db").exists()
 
 
 def test_an_output_that_takes_no_file_is_refused_before_a_storage_is_made(cli, tmp_path):
@@ -292,6 +322,7 @@ def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
     [
         ("knobs:\n  warp_drive: [on]\n", "unknown knob 'warp_drive'"),
         ("knobs: [dtype\n", "not valid YAML"),
+        pytest.param("[" * 100000, "not valid YAML (nested too deeply)", id="nested-too-deeply"),  # a RecursionError
     ],
 )
 def test_bad_space_files_give_one_line(cli, tmp_path, text, message):
@@ -301,11 +332,26 @@ def test_bad_space_files_give_one_line(cli, tmp_path, text, message):
 
 @pytest.mark.parametrize(
     "content, message",
-    [("", "empty"), ("autotune_profile: 1\nmodel: {name: x\n", "not valid YAML"), ("autotune_profile: 7\n", "format version 7")],
+    [("", "empty"), ("autotune_profile: 1\nmodel: {name: x\n", "not valid YAML"), ("autotune_profile: 7\n", "format version 7"),
+     pytest.param("autotune_profile: 1\nmodel: " + "[" * 100000, "not valid YAML (nested too deeply)",
+                  id="nested-too-deeply")],  # a RecursionError
 )
 def test_bad_profiles_give_one_line(cli, tmp_path, content, message):
     (tmp_path / "p.yaml").write_text(content)
     assert message in one_line_error(cli("show", "p.yaml"))
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "fifo.yaml"],
+    ["verify", "fifo.yaml"],
+    ["--model", "tiny-sd15", "--space", "fifo.yaml", "--list-knobs"],
+    ["--model", "tiny-sd15", "--warm-start", "fifo.yaml", "--trials", "1"],  # was "no such profile file"
+])
+def test_a_yaml_path_that_is_no_regular_file_is_refused_before_reading_it(cli, tmp_path, args):
+    # a FIFO waited forever for a writer; /dev/zero, a device, was read until memory ran out
+    os.mkfifo(tmp_path / "fifo.yaml")
+    line = one_line_error(cli(*args, timeout=120))
+    assert "fifo.yaml: not a regular file (a device or a pipe?)" in line
 
 
 def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
@@ -334,6 +380,23 @@ def test_list_knobs_piped_lays_the_table_out_wider_than_a_terminal(tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = [line for line in proc.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert 80 < max(map(len, table)) <= 160
+
+
+@pytest.mark.parametrize("columns", ["0", "5", "abc"])
+def test_a_columns_too_narrow_or_unparsable_is_ignored(tmp_path, columns):
+    """COLUMNS=0 printed nothing at all (rich laid every line out in no columns), 5 a column of
+    letters; one that is no number kept a pipe's output at rich's 80 columns."""
+    import subprocess
+
+    from autotune.knobs import baseline
+
+    write_profile(tmp_path / "p.yaml", config=baseline())
+    without = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    for args in (["show", "p.yaml"], ["--model", "tiny-sd15", "--list-knobs"]):
+        outputs = [subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
+                                  cwd=tmp_path, env=env) for env in (dict(without, COLUMNS=columns), without)]
+        assert outputs[0].returncode == 0, outputs[0].stderr
+        assert outputs[0].stdout == outputs[1].stdout  # laid out as without COLUMNS (piped: 160 columns)
 
 
 def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
@@ -814,20 +877,20 @@ def _no_cuda():
 
 
 @pytest.mark.parametrize(
-    "device, args, message",
+    "device, args, message, code",
     [
-        ("cpu", ["--device", "gpu"], "--device gpu: expected cuda, cuda:N or cpu"),
+        ("cpu", ["--device", "gpu"], "argument --device: 'gpu' is not a device: expected cuda, cuda:N or cpu", 2),
         pytest.param("cuda", [], "measured on cuda, and no CUDA GPU is usable here; replay it on the CPU with "
-                     "--device cpu", marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
-        pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here",
+                     "--device cpu", 1, marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
+        pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here", 1,
                      marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
     ],
     ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda"],
 )
-def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message):
+def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message, code):
     write_profile(tmp_path / "p.yaml", device=device)
     proc = cli("verify", "p.yaml", *args)
-    assert proc.returncode == 1
+    assert proc.returncode == code  # a device autotune does not know is bad usage (2), as any bad option value
     assert message in one_line_error(proc)
     assert "replayed peak" not in proc.stdout  # no verdict: nothing was replayed
 

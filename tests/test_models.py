@@ -1,7 +1,11 @@
 """The model registry: resolving names, tiny offline pipelines, local directories, random-weight builds."""
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -179,8 +183,41 @@ def test_local_directory_errors(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
     assert "KandinskyPipeline" in error_of(lambda: resolve_model(str(tmp_path)))
     assert "no such directory" in error_of(lambda: resolve_model(str(tmp_path / "missing")))
+    # the home of no user here: pathlib's RuntimeError "Could not determine home directory"
+    assert error_of(lambda: resolve_model("~nouser/x")).startswith("no such directory '~nouser/x'")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert "single-file" in error_of(lambda: resolve_model(str(tmp_path / "model.safetensors")))
+
+
+@pytest.mark.parametrize("model", ["model", "model/sub"])
+def test_a_model_folder_without_search_permission_is_one_line(tmp_path, model):
+    # is_file() (and is_dir() below it) raised PermissionError. Root passes mode 000 by its
+    # capabilities: the child drops them, as a user has none.
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop the capabilities that pass mode 000")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    folder.chmod(0)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", "autotune", "--model", model, "--list-knobs"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == f"autotune: error: cannot read '{model}' (Permission denied)\n"
+
+
+@pytest.mark.parametrize("index", ["[]", '{"_class_name": ["a"]}', '{"_class_name": null}', "{}"])
+def test_a_model_index_that_names_no_pipeline_class_is_one_line(tmp_path, index):
+    # valid JSON of another shape: AttributeError ('list' has no get) or TypeError (unhashable list)
+    (tmp_path / "model_index.json").write_text(index)
+    message = error_of(lambda: resolve_model(str(tmp_path)))
+    assert message == (f"cannot read {tmp_path / 'model_index.json'}: not a diffusers model index (a mapping "
+                       'whose "_class_name" names the pipeline class)')
 
 
 @pytest.mark.parametrize("source, message", [
@@ -189,6 +226,7 @@ def test_local_directory_errors(tmp_path):
     ("../gone/model", "no such model folder ../gone/model"),
     ("models/sdxl/base", "no such model folder models/sdxl/base"),  # a path, not an org/name hub id
     ("not a repo!", "'not a repo!' is neither a model folder nor a hub id (org/name)"),
+    ("~nouser/model", "no such model folder ~nouser/model"),  # a RuntimeError from expanduser
 ])
 def test_a_source_that_is_no_folder_here_is_one_line(source, message, offline):
     # a path was handed to the hub as a repo id: "HFValidationError: Repo id must be in the form..."

@@ -363,6 +363,7 @@ def test_an_empty_profile_path_is_named_so():
         (lambda p: p.write_text(""), "empty"),
         (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), "truncated"),
         (lambda p: p.write_text("best: [1, 2\n"), "not valid YAML"),
+        (lambda p: p.write_text("autotune_profile: 1\nmodel: " + "[" * 100000), "not valid YAML (nested too deeply)"),
         (lambda p: p.write_text("just: a mapping\n"), "not an autotune profile"),
         (lambda p: p.write_text(p.read_text().replace("autotune_profile: 1", "autotune_profile: 2")), "format version 2"),
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),

@@ -149,6 +149,9 @@ def test_known_conflicts_are_forbidden():
         ("knobs:\n  dtype: [float32]\nforbid: {dtype: float32}\n", "'forbid' must be a list"),
         ("knobs:\n  dtype: [float32]\nforbid:\n  - {nope: 1}\n", "unknown knob 'nope'"),
         ("knobz:\n  dtype: [float32]\n", "unknown section"),
+        # keys of two types (YAML reads 1 as a number): sorting them for the message was a TypeError
+        ("{1: a, foo: b}\n", "unknown section(s) 1, foo"),
+        pytest.param("[" * 100000, "not valid YAML (nested too deeply)", id="nested-too-deeply"),  # a RecursionError
         ("extends: space.yaml\n", "loops back"),
         ("extends: missing.yaml\n", "missing.yaml: no such file (named relative to the file that extends it, or "
                                      "one of the shipped spaces: default.yaml, flux.yaml, sd15.yaml"),
