@@ -490,25 +490,29 @@ def _tune(args, argv: list[str]) -> int:
     budget, margin, threads = _budget_margin_threads(args, machine)
     if args.study_name is not None:
         _check_study_name(args.study_name)
-    storage, output = _storage_and_output(args, spec, budget)
     study_name = args.study_name or _study_name(spec, workload, budget, device, space,
                                                 margin=margin, threads=threads, min_psnr=args.min_psnr)
-    check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
-    request = TuneRequest(
-        spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
-        storage=storage, study_name=study_name, trials=args.trials, workdir=args.workdir / "trials" / study_name,
-        timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
-        margin=args.margin,
-        repeats=args.repeats, max_calls=timed_calls_cap(args.max_calls, args.repeats), spread_limit=args.spread,
-        warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=args.min_psnr or None,
-        launcher=args.launcher or default_launcher(device),
-        compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
-        warm_start=_warm_start_configs(args.warm_start, storage, spec.name),
-        hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
-    )
-    earlier = {} if args.study_name else _earlier_studies(request)
-    if not args.no_profile and not args.output:
-        _check_default_output_is_this_studys(output, study_name, earlier)
+    _check_study_name(study_name, given=False)  # a default one too: it names folders
+    # read before anything is made: a source that does not read leaves no storage file behind
+    warm_start = _warm_start_configs(args.warm_start, args.storage or default_storage(args.workdir), spec.name)
+    with _undone_if_refused(args.workdir, args.output):
+        storage, output = _storage_and_output(args, spec, budget)
+        check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
+        request = TuneRequest(
+            spec=spec, workload=workload, budget_bytes=budget, space=space, target=target,
+            storage=storage, study_name=study_name, trials=args.trials, workdir=args.workdir / "trials" / study_name,
+            timeout_s=args.timeout, patience=args.patience, trial_timeout_s=args.trial_timeout,
+            margin=args.margin,
+            repeats=args.repeats, max_calls=timed_calls_cap(args.max_calls, args.repeats), spread_limit=args.spread,
+            warmup=args.warmup, threads=threads, seed=args.sampler_seed, min_psnr_db=args.min_psnr or None,
+            launcher=args.launcher or default_launcher(device),
+            compile_cache_dir=(args.workdir / "compile-cache" / study_name).resolve(),
+            warm_start=warm_start,
+            hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
+        )
+        earlier = {} if args.study_name else _earlier_studies(request)
+        if not args.no_profile and not args.output:
+            _check_default_output_is_this_studys(output, study_name, earlier)
     out = console.terminal()
     console.print_header(out, request, space)
     _print_notes(out, request, machine, earlier)
@@ -722,8 +726,13 @@ def _earlier_studies(request) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _check_study_name(name: str) -> None:
+def _check_study_name(name: str, given: bool = True) -> None:
     # The name is a folder under --workdir (trials, compile cache): it must stay one folder there.
+    if not given:  # autotune's own name, from a model's folder name: only its length can be wrong
+        if len(name.encode()) > MAX_STUDY_NAME_BYTES:
+            raise UsageError(f"the default study name {name[:60]}... is {len(name.encode())} bytes long (UTF-8), "
+                             f"over the {MAX_STUDY_NAME_BYTES} a folder's name may take here: give --study-name")
+        return
     if not name.strip():
         raise UsageError("--study-name is empty: name the study, or leave the option out for the default")
     if not name.isprintable():  # a newline split the header, and the folder's name
@@ -734,6 +743,27 @@ def _check_study_name(name: str) -> None:
     if size > MAX_STUDY_NAME_BYTES:
         raise UsageError(f"--study-name is {size} bytes long (UTF-8): a study name names a folder, of "
                          f"{MAX_STUDY_NAME_BYTES} bytes at most")
+
+
+@contextlib.contextmanager
+def _undone_if_refused(workdir: Path, output: Path | None):
+    """The folders the checks before a search make (the work folder, the profile's missing
+    folders), removed again where a check then refuses the run, those left empty: a storage
+    that does not answer left `-o a/b/p.yaml`'s folders and the work folder behind. (A storage
+    file made meanwhile stays: another worker may be writing to it already.)"""
+    missing = []
+    for path in filter(None, [workdir, output and Path(output).parent]):
+        for folder in [path.absolute(), *path.absolute().parents]:
+            if folder.exists() or folder.is_symlink():
+                break
+            missing.append(folder)
+    try:
+        yield
+    except BaseException:
+        for folder in sorted(set(missing), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # one that holds something stays
+                folder.rmdir()
+        raise
 
 
 def _check_storage_keeps(storage: str) -> None:

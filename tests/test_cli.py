@@ -160,6 +160,25 @@ def test_a_warm_start_from_a_study_another_tool_made_is_refused(cli, tmp_path):
     assert "--warm-start theirs@sqlite:///m.db: study 'theirs' was not made by autotune (it records no request)" in line
 
 
+def test_a_run_refused_before_its_search_leaves_no_folder_or_storage_behind(cli, tmp_path):
+    # a storage that does not answer left -o's folders and the work folder made (helper 61); a
+    # --warm-start that does not read left an empty studies.db (helper 63)
+    line = one_line_error(cli("-o", "a/b/p.yaml", "--workdir", "wd/x", "--trials", "1",
+                              "--storage", "postgresql://nobody@127.0.0.1:1/x"))
+    assert "cannot open it" in line
+    assert not (tmp_path / "a").exists() and not (tmp_path / "wd").exists()
+    line = one_line_error(cli("--warm-start", "missing.yaml", "--trials", "1"))
+    assert "--warm-start missing.yaml" in line and not (tmp_path / "autotune-studies").exists()
+
+
+def test_a_default_study_name_too_long_for_a_folder_is_refused():
+    from autotune.cli import UsageError, _check_study_name
+
+    _check_study_name("m" * 200, given=False)
+    with pytest.raises(UsageError, match="the default study name m+... is 201 bytes long .*: give --study-name"):
+        _check_study_name("m" * 201, given=False)
+
+
 def test_a_warm_start_from_a_study_with_no_front_yet_warns(tmp_path):
     import optuna
 
