@@ -1075,7 +1075,7 @@ def _verify(out, profile, args) -> int:
         measured_with["repeats"] = args.repeats
     threads, cores = profile.threads, fingerprint.usable_cores()
     if threads and threads > cores:  # more threads than cores fight for them: --threads' rule
-        out.print(f"warning: measured with {threads} CPU threads; replayed with {cores}, the cores here")
+        out.print(f"warning: measured with {console.count(threads, 'CPU thread')}; replayed with {cores}, the cores here")
         threads = cores
     request = worker.trial_request(
         profile.model, profile.config, profile.workload, device, profile=args.profile, **measured_with,

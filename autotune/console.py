@@ -118,7 +118,7 @@ def print_header(out: Console, request, space) -> None:
         f"autotune: {request.spec.name} ({request.spec.kind}) on {request.target.device}, "
         f"{_workload_text(w)}; budget "
         f"{format_size(request.budget_bytes)} with a margin of {request.margin} "
-        f"({format_size(request.margin_bytes)}); {request.threads} CPU threads; study {request.study_name}"
+        f"({format_size(request.margin_bytes)}); {count(request.threads, 'CPU thread')}; study {request.study_name}"
     )
     for d in space.dropped:
         out.print(f"  dropped {d}")
@@ -381,7 +381,7 @@ def print_profile(out: Console, profile) -> None:
     budget = d["budget"]
     out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
               f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
-              + (f", {profile.threads} CPU threads" if profile.threads else ""))
+              + (f", {count(profile.threads, 'CPU thread')}" if profile.threads else ""))
     best = d["best"]
     speed = best.get("speedup_vs_baseline")
     out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}, "

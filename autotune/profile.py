@@ -420,7 +420,7 @@ class Profile:
 
         threads = min(self.threads, fingerprint.usable_cores())
         if threads < self.threads:
-            warnings.warn(f"measured with {self.threads} CPU threads; {threads}, the cores usable here, are used",
+            warnings.warn(f"measured with {self.threads} CPU thread{'s' if self.threads != 1 else ''}; {threads}, the cores usable here, are used",
                           ProfileMismatchWarning, stacklevel=3)
         torch.set_num_threads(threads)
 
