@@ -576,7 +576,13 @@ def _space_here(args, spec, target):
             space = space.restrict(target)
     else:
         space = space.restrict(target)
-    if not space.dimensions and not args.list_knobs:  # the baseline alone: a study would call it the best
+    if args.list_knobs:
+        return space
+    if not space.allows_a_config(besides_the_baseline=True):  # the baseline alone: a study would call it the best
+        if space.dimensions:
+            raise AutotuneError(f"search space {space.source}: its 'forbid' rules and the known conflicts leave "
+                                "no configuration beyond the baseline to measure" +
+                                (f" on this machine ({'; '.join(map(str, space.dropped))})" if space.dropped else ""))
         if not space.dropped:
             raise AutotuneError(f"search space {space.source}: it lists no choice beyond the baseline's")
         raise AutotuneError(f"search space {space.source}: no choice to search on this machine "

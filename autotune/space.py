@@ -167,8 +167,9 @@ class SearchSpace:
         """The number of raw grid points (before `when`, de-duplication and forbid rules)."""
         return math.prod(len(d.choices) for d in self.dimensions)
 
-    def allows_a_config(self) -> bool:
-        """Whether any config survives the forbid rules and known conflicts. A depth-first search
+    def allows_a_config(self, besides_the_baseline: bool = False) -> bool:
+        """Whether any config (other than the baseline, where asked) survives the forbid rules and
+        known conflicts. A depth-first search
         over the dimensions in order, as `normalize` fills them, that leaves a branch as soon as a
         rule matches the knobs decided so far: `configs()` of a full space, whose baseline a rule
         forbids, could walk millions of grid points to find the first allowed one, or none."""
@@ -183,7 +184,7 @@ class SearchSpace:
             if any(matches(rule, config, self.family) for rule in by_depth.get(depth, ())):
                 return False
             if depth == len(self.dimensions):
-                return True
+                return not besides_the_baseline or config != baseline()
             dim = self.dimensions[depth]
             active = dim.when is None or matches(dim.when, config)
             for value in dim.choices if active else (CATALOGUE[dim.name].default,):

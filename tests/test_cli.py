@@ -171,6 +171,14 @@ def test_a_run_refused_before_its_search_leaves_no_folder_or_storage_behind(cli,
     assert "--warm-start missing.yaml" in line and not (tmp_path / "autotune-studies").exists()
 
 
+def test_forbid_rules_that_leave_the_baseline_alone_are_refused(cli, tmp_path):
+    # a run "found" the baseline best, where `dtype: [float32]` alone was refused (helper 61)
+    (tmp_path / "s.yaml").write_text("knobs: {dtype: [bfloat16]}\nforbid: [{dtype: bfloat16}]")
+    line = one_line_error(cli("--space", "s.yaml", "--trials", "1"))
+    assert "leave no configuration beyond the baseline to measure" in line
+    assert not (tmp_path / "autotune-studies").exists()
+
+
 def test_a_default_study_name_too_long_for_a_folder_is_refused():
     from autotune.cli import UsageError, _check_study_name
 

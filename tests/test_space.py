@@ -303,8 +303,11 @@ def test_allows_a_config_agrees_with_listing_the_configs():
             names = rng.sample(knobs, rng.randint(1, 2))
             forbid.append({n: rng.choice(choices[n]) for n in names})
         space = SearchSpace(dims, forbid, family=rng.choice([None, "sdxl", "flux"]))
-        expected = bool(list(space._iter_configs()))
+        configs = list(space._iter_configs())
+        expected = bool(configs)
         assert space.allows_a_config() == expected, (dims, forbid)
+        beyond = any(c != baseline() for c in configs)
+        assert space.allows_a_config(besides_the_baseline=True) == beyond, (dims, forbid)
         seen[expected] += 1
     assert min(seen.values()) > 20  # both outcomes were tried
 
