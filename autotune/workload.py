@@ -9,6 +9,7 @@ DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 REQUIRED = ("height", "width", "steps")
 # What torch.Generator.manual_seed takes: a 64-bit int, signed or not (a negative one as unsigned).
 SEEDS = range(-(2**63), 2**64)
+MAX_STEPS = 10_000  # denoising steps of one call at most: schedulers train on 1000 timesteps
 
 
 def _whole(value) -> bool:
@@ -62,6 +63,8 @@ class Workload:
             value = getattr(self, name)
             if not _whole(value) or value < 1:
                 raise ValueError(f"{name} must be a whole number, 1 or more, not {value!r:.40}")
+        if self.steps > MAX_STEPS:  # 10**20 was taken, and every trial failed inside the scheduler
+            raise ValueError(f"steps must be {MAX_STEPS} at most, not {self.steps!r:.40}")
         if not _whole(self.seed) or self.seed not in SEEDS:
             raise ValueError(f"seed must be a whole number from -2**63 to 2**64 - 1, not {self.seed!r:.40}")
         if not isinstance(self.prompt, str):
