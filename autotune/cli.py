@@ -834,7 +834,7 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
     warning when one was measured on another model than `model` (allowed: a fine-tune of it)."""
     import warnings
 
-    from .errors import AutotuneError
+    from .errors import AutotuneError, os_reason
     from .profile import load_profile
     from .study import summarize
     import optuna
@@ -846,7 +846,11 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
 
     configs: list[dict] = []
     for source in sources:
-        if Path(source).exists() and not Path(source).is_dir():  # load_profile refuses a device or a FIFO
+        try:
+            a_file = Path(source).exists() and not Path(source).is_dir()  # load_profile refuses a device or a FIFO
+        except OSError as exc:  # a folder on the way this user may not search
+            raise AutotuneError(f"--warm-start {source}: cannot read it ({os_reason(exc)})") from None
+        if a_file:
             profile = load_profile(source)
             check_model(source, profile.model.name)
             configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]

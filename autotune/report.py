@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import html
+import os
 import re
 import shlex
 import textwrap
@@ -394,7 +395,7 @@ def _study_and_storage(entry: str) -> tuple[str, str] | None:
     at = entry.find("@")
     while at != -1:
         rest = entry[at + 1:]
-        if _STORAGE_URL_START.match(rest) or (Path(rest).is_file() and _is_sqlite_file(rest)):
+        if _STORAGE_URL_START.match(rest) or (os.path.isfile(rest) and _is_sqlite_file(rest)):
             return entry[:at], _as_url(rest)
         at = entry.find("@", at + 1)
     return None
@@ -457,7 +458,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
             for n in names:
                 add([_study_key(entry, n)], display_url(entry),
                     lambda n=n: load_study(entry, n, storage=backend))
-        elif entry.endswith((".yaml", ".yml")) or Path(entry).is_file():
+        elif entry.endswith((".yaml", ".yml")) or os.path.isfile(entry):  # False where it cannot be read
             add([("profile", Path(entry).resolve())], entry, lambda: load_profile_source(entry))
         else:
             raise ReportError(f"'{entry}': expected NAME@STORAGE_URL, a storage URL "
