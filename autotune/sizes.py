@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
@@ -18,7 +19,8 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(str(text))
     if not match:
         raise ValueError(f"'{text}' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    # exactly, as written: a float rounded 99999999999999999999999TB to another number of bytes
+    number, unit = Fraction(match.group(1)), (match.group(2) or "").lower()
     size = int(number * _UNITS[unit])
     if size <= 0:
         raise ValueError(f"'{text}' is not a positive memory size")
