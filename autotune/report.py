@@ -824,7 +824,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
             over = _unbudgeted_front(s.points)
         if len(over) > (1 if s.front else 0):
             ax.plot([fits_from(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
-                    ls=":", drawstyle="steps-post", marker="." if len(over) == 1 else None,
+                    ls=":", drawstyle="steps-post", marker=".",  # the last step has no width: its point shows
                     label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
             drawn += [p.latency_s for p in over]
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
