@@ -1,22 +1,9 @@
 """`python -m autotune` and the `autotune` command (pyproject's entry point is `run`)."""
 
-import atexit
 import sys
 
 
-def _ignore_stop_signals() -> None:
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-
-
 def run() -> int:
-    # Registered first, so run last of the exit handlers: from there to the process's end a stop
-    # signal is ignored. Python puts a handler of its own back to the default as it finalizes,
-    # and a signal in what follows (libraries' C++ teardown, up to a second) killed the process,
-    # exit -2, after its last line (cli.stop_signals_exit_with covers what comes before).
-    atexit.register(_ignore_stop_signals)
     # The command line is imported here, not at the top: a Ctrl-C in its first milliseconds, while
     # it imports, is "interrupted" too, not a traceback (cli.main covers everything after).
     try:

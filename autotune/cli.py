@@ -297,11 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        STOPPING.set()  # to the process's end: main's return, then stop_signals_exit_with
         print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
 INTERRUPTED = threading.Event()  # set once a stop signal has come: the run is stopping
+# Set where autotune has caught the stop and cleans up outside an except block (a --gpus parent
+# waiting for its workers, main's return): later signals are ignored from there on.
+STOPPING = threading.Event()
 
 
 def terminate_as_interrupt() -> None:
@@ -318,7 +322,7 @@ def terminate_as_interrupt() -> None:
         # while the first is being handled is ignored: raised inside the clean-up (the trial's
         # group killed, the trial queued again) it would cut that short, or come after the exit
         # message as a traceback. Elsewhere it raises: the first may not have stopped anything.
-        if INTERRUPTED.is_set() and _handling_an_interrupt():
+        if INTERRUPTED.is_set() and (STOPPING.is_set() or _handling_an_interrupt()):
             return
         INTERRUPTED.set()
         raise KeyboardInterrupt
@@ -360,7 +364,10 @@ def stop_signals_exit_with(code: int) -> None:
     """Once a command has ended (its trials kept, its profile written or not): a stop signal while
     the interpreter shuts down (threads, a storage's connections, atexit) exits at once with the
     command's code. terminate_as_interrupt's handler raised KeyboardInterrupt there, a traceback
-    after the last line, or exit -2 where it came before sys.exit."""
+    after the last line, or exit -2 where it came before sys.exit. (Past Python's own
+    finalization, which puts these signals back to their default, a signal still ends the process
+    as killed by it: left so, as ignoring them there would leave a hung teardown, CUDA's say, to
+    SIGKILL alone.)"""
     import signal
 
     def exit_now(signum, frame):
@@ -943,6 +950,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
                                                        start_new_session=True)))
             out.print(f"worker on GPU {gpu} started (log: {logs / f'gpu{gpu}.log'})")
     except KeyboardInterrupt:
+        STOPPING.set()  # the workers are waited for below, outside this block
         interrupted = True
         interrupt_workers()
     for gpu, log, proc in workers:
@@ -951,6 +959,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
                 code = proc.wait()
                 break
             except KeyboardInterrupt:  # signalled already when repeated: keep waiting for them
+                STOPPING.set()
                 if not interrupted:
                     interrupted = True
                     interrupt_workers()
