@@ -195,7 +195,7 @@ def run_trial(
                 # On a GPU no peak: the peak is device memory, and host RSS would stand for it.
                 # On a CPU within its budget, the machine is short, not the config.
                 within = budget_bytes is not None and held <= budget_bytes
-                mark = ({worker.OUT_OF_MEMORY_ON: "host"} if within else
+                mark = ({worker.OUT_OF_MEMORY_ON: "host", worker.HELD_WITHIN_BUDGET: True} if within else
                         {"peak_memory_bytes": held} if budget_bytes is not None else
                         worker.host_memory_mark(request["device"]))
                 said = f", within its {format_size(budget_bytes)} budget: other processes hold the rest" if within else ""

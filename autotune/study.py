@@ -375,12 +375,15 @@ def _given_up(study: optuna.Study) -> list[Config]:
     """The configs whose trial was left running by a dead process MAX_RETRIES + 1 times, which
     Optuna's retry queues no more, and that no trial measured, runs or waits to measure since."""
     trials = study.get_trials(deepcopy=False)
-    live = {t.user_attrs.get("config_key") for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)}
+    # A config waiting again (queued by _queue_again after a Ctrl-C, say) has no config_key yet:
+    # its params, as queued, tell it.
+    live = [t.system_attrs.get("fixed_params", t.params) for t in trials
+            if t.state in (TrialState.WAITING, TrialState.RUNNING)]
     measured = _measured(study)
     given_up = {}
     for frozen in trials:
         key = frozen.user_attrs.get("config_key")
-        if (frozen.state == TrialState.FAIL and key and key not in live and key not in measured
+        if (frozen.state == TrialState.FAIL and key and key not in measured and frozen.params not in live
                 and len(frozen.system_attrs.get("retry_history", [])) >= storages.MAX_RETRIES
                 and CONFIRMER not in frozen.user_attrs):
             given_up.setdefault(key, frozen.user_attrs["config"])
@@ -425,13 +428,15 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     confirmations = confirmations or []
     violations = stored_violations(frozen)
     # A confirmation that went over the budget, ran out of memory or broke makes the config
-    # infeasible: the budget is a promise for every run, not for its luckiest one.
-    # (Host memory running short before the budget is reached is a failure, not the budget's verdict.)
-    worst_again = max((c["violation"] for c in confirmations), default=-math.inf)
-    judged_by_budget = [c for c in confirmations if c["status"] == worker.OK or worker.ran_out_of_budgeted_memory(c)]
+    # infeasible: the budget is a promise for every run, not for its luckiest one. (Host memory
+    # running short under a GPU budget is a failure, not the budget's verdict; on a CPU, one
+    # stopped while it held less than its budget, others having taken the memory, judges nothing.)
+    judged = [c for c in confirmations if not worker.machine_was_short(c)]
+    worst_again = max((c["violation"] for c in judged), default=-math.inf)
+    judged_by_budget = [c for c in judged if c["status"] == worker.OK or worker.ran_out_of_budgeted_memory(c)]
     violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in judged_by_budget)])
-    if len(judged_by_budget) < len(confirmations):
-        violations["failed_again"] = BROKEN  # a crash, a timeout, host memory short before the budget
+    if len(judged_by_budget) < len(judged):
+        violations["failed_again"] = BROKEN  # a crash, a timeout, host memory under a GPU budget
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
@@ -809,8 +814,12 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
     differs from what the study holds;
     record the device model where none is held yet, and this run's request (its timing settings
     may differ from an earlier run's: the latest is kept)."""
-    if "request" not in study.user_attrs and (study.get_trials(deepcopy=False)
-                                              or study.directions != [optuna.study.StudyDirection.MINIMIZE]):
+    # The trials read before the attributes: a worker that created the study writes its request
+    # before it queues anything, so trials seen here mean a request there, if it is autotune's.
+    trials = study.get_trials(deepcopy=False)
+    ours = any(t.user_attrs.get("baseline") or "config_key" in t.user_attrs for t in trials)
+    if "request" not in study.user_attrs and not ours and (
+            trials or study.directions != [optuna.study.StudyDirection.MINIMIZE]):
         # Another tool's study: its trials would mix with these (or, with two objectives, every
         # trial fail). An empty minimizing one is autotune's own, stopped before its request.
         raise AutotuneError(f"study {req.study_name} in this storage was not made by autotune (it records no "
@@ -966,7 +975,7 @@ def _less_disturbed(first: dict, second: dict) -> dict:
     is a promise for every run. Not one stopped because the machine's memory ran short before the
     budget was reached: the first ran, and the second says only that others took the memory."""
     taken = [(r.get("cores_taken_by_others") or 0) for r in (first, second)]
-    failed = second.get("status") != worker.OK and not worker.ran_out_of_host_memory(second)
+    failed = second.get("status") != worker.OK and not worker.machine_was_short(second)
     keep_second = failed or (second.get("status") == worker.OK and taken[1] < taken[0])
     kept, other = (second, first) if keep_second else (first, second)
     if other.get("output"):
@@ -1225,7 +1234,7 @@ def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, c
     the race), beating the trial's heartbeat meanwhile. Returns (its result, whether a disturbed
     trial is still worth measuring again); the result is None where the trial was given up as
     stale meanwhile. A Ctrl-C fails the trial and queues its config again, for the same command
-    to measure it first."""
+    to measure it first; one during a second measurement records the first."""
     storage = study._storage
     trial_dir = req.workdir / f"trial-{trial.number:05d}"
     cut_above_s = CUT_SLOWER_THAN * fastest if fastest else None
@@ -1420,7 +1429,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "status": result["status"],
             # why it failed, for the console's line and a later reading of the study
             **({"error": str(result.get("error", ""))[:300]} if result["status"] != worker.OK else {}),
-            **({worker.OUT_OF_MEMORY_ON: result[worker.OUT_OF_MEMORY_ON]} if worker.OUT_OF_MEMORY_ON in result else {}),
+            **{k: result[k] for k in (worker.OUT_OF_MEMORY_ON, worker.HELD_WITHIN_BUDGET) if k in result},
             "violation": violation(result, req.budget_bytes, req.margin_bytes),
             "cores_taken_by_others": result.get("cores_taken_by_others"),
             "cold_start_s": result.get("cold_start_s"),  # a profile's figures come from quiet trials

@@ -75,6 +75,15 @@ def _host_memory_ran_out(exc: BaseException) -> bool:
 
 
 OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see ran_out_of_host_memory
+# True in a CPU trial's result stopped because the machine's memory ran short while the trial held
+# less than its budget (runner.run_trial): other processes took the memory
+HELD_WITHIN_BUDGET = "held_within_budget"
+
+
+def machine_was_short(result: dict) -> bool:
+    """Stopped because other processes took the machine's memory (HELD_WITHIN_BUDGET): a result
+    that says nothing of the config, where a GPU's host running short may be its own doing."""
+    return bool(result.get(HELD_WITHIN_BUDGET))
 
 
 def host_memory_mark(device: str) -> dict:

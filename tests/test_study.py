@@ -145,7 +145,8 @@ def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(
     kept = study._less_disturbed(trial(latency=2.0, taken=0.5), trial(status="out_of_memory", latency=None, taken=0.0))
     assert kept["status"] == "out_of_memory" and kept["measured_twice"]["latency_s"] == 2.0
     # not one stopped because others took the machine's memory: the first ran (helper 60)
-    short = {**trial(status="out_of_memory", latency=None, peak=None), "out_of_memory_on": "host"}
+    short = {**trial(status="out_of_memory", latency=None, peak=None), "out_of_memory_on": "host",
+             "held_within_budget": True}
     kept = study._less_disturbed(trial(latency=2.0, taken=0.5), short)
     assert kept["status"] == "ok" and kept["latency_s"] == 2.0 and kept["measured_twice"]["status"] == "out_of_memory"
 
@@ -299,6 +300,7 @@ def test_a_config_whose_process_died_each_time_it_was_measured_is_said_on_resume
     monkeypatch.setattr(storages, "GRACE_S", 0)  # each holder dead at once
     for _ in range(storages.MAX_RETRIES + 1):  # a run takes it, and dies holding it
         trial = study._ask(shared)
+        assert space.suggest(trial) == doomed  # as tune draws it: the queued params
         trial.set_user_attr("config", doomed)
         trial.set_user_attr("config_key", config_key(doomed))
         study._heartbeat(shared._storage, trial)
@@ -309,6 +311,9 @@ def test_a_config_whose_process_died_each_time_it_was_measured_is_said_on_resume
     study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=storage), measure=measure,
                on_step=said.append)
     assert any(line.startswith("not measured again: [dtype=float16], whose process died 3 times") for line in said), said
+    # queued again since (as a Ctrl-C's _queue_again does, which writes no config_key): not given up
+    shared.enqueue_trial(space.params(doomed))
+    assert study._given_up(shared) == []
 
 
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])
@@ -617,6 +622,23 @@ def test_a_confirmation_that_crashed_makes_the_config_infeasible_but_not_out_of_
     assert not bf16.feasible and bf16.violations["failed_again"] > 0
     assert bf16.violations["memory"] <= 0 and not study.ran_out_of_memory(bf16)  # no memory dominance from a crash
     assert outcome.best.baseline
+
+
+def test_a_confirmation_stopped_because_the_machine_ran_short_judges_nothing(tmp_path):
+    """Marked as the machine's (other processes took its memory), a confirmation still made its
+    config "failed again": a busy machine ruled out every contender and wrote no profile (helper 64)."""
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        if req["config"]["dtype"] == "bfloat16" and req.get("confirmation") == 1:
+            return {"status": "out_of_memory", "out_of_memory_on": "host", "held_within_budget": True,
+                    "error": "host memory nearly exhausted"}
+        return {"status": "ok", "latency_s": 0.9 if req["config"]["dtype"] == "bfloat16" else 1.0,
+                "peak_memory_bytes": 500 * MiB}
+
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
+    bf16 = next(r for r in outcome.records if r.config["dtype"] == "bfloat16")
+    assert len(bf16.confirmations) == 2 and bf16.feasible and outcome.best.number == bf16.number
 
 
 def test_trials_are_told_the_latency_above_which_one_timed_call_is_enough(tmp_path):
@@ -928,6 +950,12 @@ def test_a_study_another_tool_made_is_not_taken_over(tmp_path, direction, with_a
     optuna.create_study(study_name="ours", storage=url)  # as open_study leaves it, stopped at once
     study.tune(replace(request(SearchSpace(SPACE), tmp_path, storage=url, trials=2), study_name="ours"), measure=measure)
     assert measured
+    # read while another worker that created it is between its request and its baseline (helper
+    # 64's race): a trial of autotune's own says whose it is
+    racing = optuna.create_study(study_name="racing", storage=url)
+    racing.enqueue_trial({"dtype": "float32"}, user_attrs={"baseline": True})
+    study._hold_the_request(racing, replace(request(SearchSpace(SPACE), tmp_path, storage=url, trials=1),
+                                            study_name="racing"))
 
 
 def test_the_default_study_name_is_one_for_any_gpu():
