@@ -398,16 +398,22 @@ def _study_and_storage(entry: str) -> tuple[str, str] | None:
         if _STORAGE_URL_START.match(rest) or (os.path.isfile(rest) and _is_sqlite_file(rest)):
             return entry[:at], _as_url(rest)
         at = entry.find("@", at + 1)
+    at = entry.rfind("@")  # a SQLite file not there (x@missing.db): its name is what follows the last '@'
+    if at > 0 and entry.endswith(".db"):
+        return entry[:at], _as_url(entry[at + 1:])
     return None
 
 
 def _entries(sources: str) -> list[str]:
     """One string of sources as its entries: separated by spaces or newlines, an entry holding
-    spaces (a study name) quoted as a shell would."""
-    try:
-        return shlex.split(sources)
-    except ValueError as exc:  # "No closing quotation"
-        raise ReportError(f"sources {sources!r}: {str(exc).lower()}") from None
+    spaces (a study name) quoted as a shell would. Without quotes, or with quotes a shell would
+    not close (a path's apostrophe: /tmp/O'Brien/s.db), split at whitespace alone, as written."""
+    if any(quote in sources for quote in "'\""):
+        try:
+            return shlex.split(sources)
+        except ValueError:  # "No closing quotation"
+            pass
+    return sources.split()
 
 
 def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
