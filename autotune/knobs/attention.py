@@ -18,8 +18,8 @@ installed.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
+import inspect
 import threading
 
 from .base import Knob, denoiser, package_missing
@@ -109,10 +109,11 @@ def _enter_hold(kernel, token: object) -> None:
             finally:
                 _held["waiting"][kernel] -= 1
             if not _held["holders"]:
-                # an ExitStack exits the context only once entered: a Ctrl-C on the way in leaves
-                # _leave_hold nothing to undo but what was entered
-                _held.update(context=contextlib.ExitStack(), last=kernel)
-                _held["context"].enter_context(sdpa_kernel(kernel))
+                # kept before it is entered: a Ctrl-C on the way in (even between __enter__
+                # returning and this line's end) leaves _leave_hold the context to look at
+                context = sdpa_kernel(kernel)
+                _held.update(context=context, last=kernel)
+                context.__enter__()
             _held["holders"].add(token)
         _in_a_hold.inside = True
     except BaseException:
@@ -128,7 +129,11 @@ def _leave_hold(token: object) -> None:
         _held["holders"].discard(token)
         if not _held["holders"] and _held["context"] is not None:
             context, _held["context"] = _held["context"], None
-            context.close()
+            # Entered and not left: exit it. torch's sdpa_kernel is a generator context, whose
+            # state says so (a private field: an ExitStack, the public way, registers the exit
+            # only after __enter__ returns, and a Ctrl-C between the two left the switches set)
+            if inspect.getgeneratorstate(context.gen) == inspect.GEN_SUSPENDED:
+                context.__exit__(None, None, None)
         _HOLD.notify_all()
 
 
