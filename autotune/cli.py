@@ -843,6 +843,7 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
 
     from .errors import AutotuneError, os_reason
     from .profile import load_profile
+    from .report import study_and_storage
     from .study import summarize
     import optuna
 
@@ -862,7 +863,8 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
             check_model(source, profile.model.name)
             configs += [point["config"] for point in profile.data.get("pareto") or [profile.data["best"]]]
             continue
-        name, _, url = source.partition("@")
+        # NAME@STORAGE as report reads it (a name may hold '@'), or NAME in this run's storage
+        name, url = study_and_storage(source) or (source, None)
         try:
             study = optuna.load_study(study_name=name, storage=open_storage(url or storage, existing=True))
         except AutotuneError as exc:  # no such storage file, or a server that does not answer

@@ -388,7 +388,7 @@ def _is_url(text: str) -> bool:
 _STORAGE_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|journal:")
 
 
-def _study_and_storage(entry: str) -> tuple[str, str] | None:
+def study_and_storage(entry: str) -> tuple[str, str] | None:
     """`NAME@STORAGE` as (name, storage URL), split at the first '@' that a storage URL or a
     SQLite file that is there follows: a study name may hold '@' ("team@gpu1"), and a URL's own '@'
     (postgresql://user:pw@host/db) comes after its start. None: no storage named."""
@@ -428,7 +428,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         _checked(check_url, storage)
     out: list[StudyData] = []
     for name in studies or []:
-        sources.append(name if _study_and_storage(name) else f"{name}@{storage or default_storage()}")
+        sources.append(name if study_and_storage(name) else f"{name}@{storage or default_storage()}")
     if storage and not studies:
         sources.append(storage)
     seen: dict[tuple, StudyData] = {}  # what the sources resolved to: profile files, studies
@@ -450,7 +450,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
             twin.notes.append(note)
 
     for entry in sources:
-        study_at = _study_and_storage(entry)
+        study_at = study_and_storage(entry)
         if study_at:  # its key known before loading: a study given twice is loaded once
             name, url = study_at
             add([_study_key(url, name)], f"{name}@{display_url(url)}", lambda: load_study(url, name))
@@ -1183,7 +1183,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]
     storage = args.storage or (default_storage(args.workdir) if args.workdir else None)
-    if not storage and (any(not _study_and_storage(name) for name in args.study) or not (sources or args.study)):
+    if not storage and (any(not study_and_storage(name) for name in args.study) or not (sources or args.study)):
         storage = default_storage()  # the storage of --study names without @URL, or every study in it
     if storage and not args.storage and not args.workdir:  # the default one, not one named: a hint
         _checked(check_file, storage, hint=WORKDIR_HINT)

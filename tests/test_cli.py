@@ -218,6 +218,10 @@ def test_a_warm_start_from_a_study_with_no_front_yet_warns(tmp_path):
     optuna.create_study(study_name="ours", storage=url).set_user_attr("request", {"model": {"name": "tiny-sd15"}})
     with pytest.warns(UserWarning, match="no config that fits its budget yet: nothing to start from"):
         assert _warm_start_configs([f"ours@{url}"], url, "tiny-sd15") == []
+    # a study name holding '@', as report reads it (it was cut at its first '@': helper 64)
+    optuna.create_study(study_name="team@gpu1", storage=url).set_user_attr("request", {"model": {"name": "tiny-sd15"}})
+    with pytest.warns(UserWarning, match="nothing to start from"):
+        assert _warm_start_configs([f"team@gpu1@{url}"], url, "tiny-sd15") == []
 
 
 def test_a_bad_stale_after_setting_is_one_line_where_a_storage_opens(cli, monkeypatch):
