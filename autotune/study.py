@@ -1449,7 +1449,15 @@ def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, in
         return []  # nothing to choose between
     confirmed = study.user_attrs.get(CONFIRMATIONS, {})
     return [(record, round_) for round_ in range(rounds) for record in candidates
-            if len(confirmed.get(str(record.number), [])) <= round_]
+            if _rounds_done(confirmed.get(str(record.number), []), rounds) <= round_]
+
+
+def _rounds_done(entries: list[dict], rounds: int) -> int:
+    """Confirmation rounds a contender has had: a round stopped because other processes took the
+    machine's memory (worker.machine_was_short) judged nothing, and is measured again, up to
+    `rounds` such rounds (a machine that stays short does not hold the phase for ever)."""
+    short = sum(worker.machine_was_short(e) for e in entries)
+    return len(entries) - short if short < rounds else len(entries)
 
 
 CONFIRMER = "confirmer"  # user attr of the trial that holds a shared study's confirmation phase

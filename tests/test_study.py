@@ -629,8 +629,11 @@ def test_a_confirmation_stopped_because_the_machine_ran_short_judges_nothing(tmp
     config "failed again": a busy machine ruled out every contender and wrote no profile (helper 64)."""
     space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
 
+    shorts = []
+
     def measure(req: dict, trial_dir: Path, tick) -> dict:
-        if req["config"]["dtype"] == "bfloat16" and req.get("confirmation") == 1:
+        if req["config"]["dtype"] == "bfloat16" and req.get("confirmation") == 1 and not shorts:
+            shorts.append(1)  # the machine short once, in the first round
             return {"status": "out_of_memory", "out_of_memory_on": "host", "held_within_budget": True,
                     "error": "host memory nearly exhausted"}
         return {"status": "ok", "latency_s": 0.9 if req["config"]["dtype"] == "bfloat16" else 1.0,
@@ -638,7 +641,10 @@ def test_a_confirmation_stopped_because_the_machine_ran_short_judges_nothing(tmp
 
     outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=measure)
     bf16 = next(r for r in outcome.records if r.config["dtype"] == "bfloat16")
-    assert len(bf16.confirmations) == 2 and bf16.feasible and outcome.best.number == bf16.number
+    assert bf16.feasible and outcome.best.number == bf16.number
+    # and its round is measured again: judged on the rounds asked for
+    assert [c["status"] for c in bf16.confirmations] == ["out_of_memory", "ok", "ok"]
+    assert study._rounds_done([{"held_within_budget": True}] * 2, 2) == 2  # short for good: it ends
 
 
 def test_trials_are_told_the_latency_above_which_one_timed_call_is_enough(tmp_path):
