@@ -193,12 +193,9 @@ def run_trial(
             if available < HOST_RESERVE_BYTES:
                 held = resident_bytes(child.pid) or 0
                 # On a GPU no peak: the peak is device memory, and host RSS would stand for it.
-                # On a CPU within its budget, the machine is short, not the config.
-                within = budget_bytes is not None and held <= budget_bytes
-                mark = ({worker.OUT_OF_MEMORY_ON: "host", worker.HELD_WITHIN_BUDGET: True} if within else
-                        {"peak_memory_bytes": held} if budget_bytes is not None else
-                        worker.host_memory_mark(request["device"]))
-                said = f", within its {format_size(budget_bytes)} budget: other processes hold the rest" if within else ""
+                mark = worker.host_memory_mark(request["device"], held, budget_bytes)
+                said = (f", within its {format_size(budget_bytes)} budget: other processes hold the rest"
+                        if worker.machine_was_short(mark) else "")
                 return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
                               f"available, the trial holding {held // 2**20} MiB{said}): stopped before the kernel's "
                               "out-of-memory killer", **mark)

@@ -86,16 +86,24 @@ def machine_was_short(result: dict) -> bool:
     return bool(result.get(HELD_WITHIN_BUDGET))
 
 
-def host_memory_mark(device: str) -> dict:
-    """What an out_of_memory result adds when host memory ran out on a GPU target, where the
-    budget is the GPU's (runner's host reserve, MemoryError, torch's CPU allocator). On a CPU
-    host memory is the budget's, and nothing is added."""
-    return {OUT_OF_MEMORY_ON: "host"} if device.startswith("cuda") else {}
+def host_memory_mark(device: str, held: int = 0, budget_bytes: int | None = None) -> dict:
+    """What an out_of_memory result adds when host memory ran short (runner's host reserve,
+    MemoryError, torch's CPU allocator). On a GPU target, where the budget is the GPU's: marked
+    the host's. On a CPU, where the budget is host memory and the caller knows it
+    (`budget_bytes`): a trial that `held` no more is marked the machine's (others took the
+    memory); one that held more records that as its peak. Else nothing: the budget's verdict."""
+    if device.startswith("cuda"):
+        return {OUT_OF_MEMORY_ON: "host"}
+    if budget_bytes is None:
+        return {}
+    if held <= budget_bytes:
+        return {OUT_OF_MEMORY_ON: "host", HELD_WITHIN_BUDGET: True}
+    return {"peak_memory_bytes": held}
 
 
 def ran_out_of_host_memory(result: dict) -> bool:
-    """Host memory ran short before the budget was reached: under a GPU budget (host_memory_mark),
-    or on a CPU while the trial held less than its budget (runner.run_trial). This machine's
+    """Host memory ran short before the budget was reached (host_memory_mark): under a GPU budget,
+    or on a CPU while the trial held less than its budget. This machine's
     limit, which says nothing of what the config needs within the budget."""
     return result.get(OUT_OF_MEMORY_ON) == "host"
 
