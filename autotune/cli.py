@@ -740,22 +740,20 @@ def _earlier_studies(request) -> dict[str, tuple[int, str]]:
 
 
 def _check_study_name(name: str, given: bool = True) -> None:
-    # The name is a folder under --workdir (trials, compile cache): it must stay one folder there.
-    if not given:  # autotune's own name, from a model's folder name: only its length can be wrong
-        if len(name.encode()) > MAX_STUDY_NAME_BYTES:
-            raise UsageError(f"the default study name {name[:60]}... is {len(name.encode())} bytes long (UTF-8), "
-                             f"over the {MAX_STUDY_NAME_BYTES} a folder's name may take here: give --study-name")
-        return
-    if not name.strip():
-        raise UsageError("--study-name is empty: name the study, or leave the option out for the default")
-    if not name.isprintable():  # a newline split the header, and the folder's name
-        raise UsageError(f"--study-name {name!r}: a study name is one line of printable text")
-    if "/" in name or os.sep in name or name in (".", ".."):
-        raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
+    """The name is a folder under --workdir (trials, compile cache): it must stay one folder
+    there. `given`: by --study-name; autotune's own (from a model's folder name) can only be too long."""
+    if given:
+        if not name.strip():
+            raise UsageError("--study-name is empty: name the study, or leave the option out for the default")
+        if not name.isprintable():  # a newline split the header, and the folder's name
+            raise UsageError(f"--study-name {name!r}: a study name is one line of printable text")
+        if "/" in name or os.sep in name or name in (".", ".."):
+            raise UsageError(f"--study-name {name!r}: a study name is one folder name, without '/'")
     size = len(name.encode())  # in bytes, as a folder's name is held to
     if size > MAX_STUDY_NAME_BYTES:
-        raise UsageError(f"--study-name is {size} bytes long (UTF-8): a study name names a folder, of "
-                         f"{MAX_STUDY_NAME_BYTES} bytes at most")
+        which = "--study-name" if given else f"the default study name {name[:60]}..."
+        raise UsageError(f"{which} is {size} bytes long (UTF-8): a study name names a folder, of "
+                         f"{MAX_STUDY_NAME_BYTES} bytes at most" + ("" if given else ": give --study-name"))
 
 
 @contextlib.contextmanager
