@@ -895,6 +895,8 @@ def plot_speedups(studies: list[StudyData]):
     fig = _figure(9, 1.2 + 0.7 * len(studies))
     ax = fig.add_subplot()
     colors = _colors(len(studies))
+    # a row's words within the figure, beside the longest study label
+    room = max(60, 140 - max(len(s.label) for s in studies))
     for i, (s, color) in enumerate(zip(studies, colors)):
         value = s.speedup or 0.0
         bar = ax.barh(i - 0.12, value, height=0.45, color=color, alpha=0.8)
@@ -902,8 +904,7 @@ def plot_speedups(studies: list[StudyData]):
         text = (f"{value:.2f}x: {s.best.latency_s:.3f} s, {_size_text(s.best.peak_memory_bytes)}  "
                 f"[{config_changes(s.best.config)}]" if s.speedup else s.why_no_best() if s.best is None else
                 f"no speedup: the baseline ended {s.baseline.status}" if s.baseline else "no baseline measured")
-        # within the figure, beside long study labels: the whole config is in the table of bests
-        text = textwrap.shorten(text, max(60, 140 - len(max((t.label for t in studies), key=len))), placeholder=" …")
+        text = textwrap.shorten(text, room, placeholder=" …")  # the whole config is in the table of bests
         # under its bar, on white: the 1.0x line ran through the words
         ax.text(0.01, i + 0.27, text, va="center", ha="left", fontsize=8, transform=ax.get_yaxis_transform(),
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0}, zorder=3)
