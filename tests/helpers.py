@@ -40,3 +40,23 @@ def run_cli(*args, cwd=None, timeout=600):
         [sys.executable, "-m", "autotune", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
     )
+
+
+def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None):
+    """`autotune ARGS` with `folder` at mode 000, as a user without root meets it. Root passes mode
+    000 by its capabilities: the child drops them (setpriv), and the test skips without setpriv."""
+    import shutil
+
+    import pytest
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop the capabilities that pass mode 000")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    folder.chmod(0)
+    try:
+        return subprocess.run([*prefix, sys.executable, "-m", "autotune", *map(str, args)],
+                              capture_output=True, text=True, cwd=cwd, timeout=300)
+    finally:
+        folder.chmod(0o755)

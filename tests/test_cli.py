@@ -190,22 +190,13 @@ def test_a_default_study_name_too_long_for_a_folder_is_refused():
 
 def test_a_warm_start_behind_a_folder_that_cannot_be_searched_is_one_line(tmp_path):
     # Path.exists() raised PermissionError there (helper 63)
-    import shutil
+    from helpers import run_cli_behind_a_locked_folder
 
     folder = tmp_path / "locked"
     folder.mkdir()
     (folder / "p.yaml").write_text("x")
-    prefix = []
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root, and no setpriv to drop the capabilities that pass mode 000")
-        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
-    folder.chmod(0)
-    try:
-        proc = subprocess.run([*prefix, sys.executable, "-m", "autotune", "--model", "tiny-sd15", "--trials", "1",
-                               "--warm-start", "locked/p.yaml"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    finally:
-        folder.chmod(0o755)
+    proc = run_cli_behind_a_locked_folder(folder, "--model", "tiny-sd15", "--trials", "1", "--warm-start",
+                                          "locked/p.yaml", cwd=tmp_path)
     assert one_line_error(proc) == "autotune: error: --warm-start locked/p.yaml: cannot read it (Permission denied)"
 
 

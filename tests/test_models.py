@@ -1,11 +1,7 @@
 """The model registry: resolving names, tiny offline pipelines, local directories, random-weight builds."""
 
 import json
-import os
-import shutil
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -191,22 +187,13 @@ def test_local_directory_errors(tmp_path):
 
 @pytest.mark.parametrize("model", ["model", "model/sub"])
 def test_a_model_folder_without_search_permission_is_one_line(tmp_path, model):
-    # is_file() (and is_dir() below it) raised PermissionError. Root passes mode 000 by its
-    # capabilities: the child drops them, as a user has none.
+    # is_file() (and is_dir() below it) raised PermissionError
+    from helpers import run_cli_behind_a_locked_folder
+
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    prefix = []
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root, and no setpriv to drop the capabilities that pass mode 000")
-        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
-    folder.chmod(0)
-    try:
-        proc = subprocess.run([*prefix, sys.executable, "-m", "autotune", "--model", model, "--list-knobs"],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    finally:
-        folder.chmod(0o755)
+    proc = run_cli_behind_a_locked_folder(folder, "--model", model, "--list-knobs", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr == f"autotune: error: cannot read '{model}' (Permission denied)\n"
 
