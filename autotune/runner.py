@@ -144,7 +144,7 @@ def run_trial(
     launcher: str = "spawn",
     stop_above_bytes: int | None = None,
     stop_above_what: str = "",
-    budget_bytes: int | None = None,
+    may_hold_bytes: int | None = None,
 ) -> dict:
     """Run one trial in a child process and return its result dict (always; never raises for
     what happens in the child). `tick` is called about every `tick_every_s` while the child runs
@@ -152,9 +152,10 @@ def run_trial(
     `stop_above_bytes`: a trial whose resident memory passes it is stopped as out_of_memory (on a
     CPU, where the budget is host memory, a config far over it cannot fit whatever its speed);
     `stop_above_what` says what that bound is, for the message ("2x the 2.00 GiB budget").
-    `budget_bytes`: on a CPU, the budget (host memory). A trial stopped because the machine's
-    memory ran short while it held no more than that is marked as the machine's (other
-    processes hold the rest), not judged by the budget; one holding more records what it held."""
+    `may_hold_bytes`: on a CPU, what a trial may hold and still fit (the budget less its margin,
+    host memory). A trial stopped because the machine's memory ran short while it held no more
+    than that is marked as the machine's (other processes hold the rest), not judged by the
+    budget; one holding more cannot fit, and records what it held as its peak."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, log_path = (
         workdir / "request.json",
@@ -193,8 +194,8 @@ def run_trial(
             if available < HOST_RESERVE_BYTES:
                 held = resident_bytes(child.pid) or 0
                 # On a GPU no peak: the peak is device memory, and host RSS would stand for it.
-                mark = worker.host_memory_mark(request["device"], held, budget_bytes)
-                said = (f", within its {format_size(budget_bytes)} budget: other processes hold the rest"
+                mark = worker.host_memory_mark(request["device"], held, may_hold_bytes)
+                said = (f", within the {format_size(may_hold_bytes)} it may hold to fit: other processes hold the rest"
                         if worker.machine_was_short(mark) else "")
                 return killed(worker.OUT_OF_MEMORY, f"host memory nearly exhausted ({available // 2**20} MiB "
                               f"available, the trial holding {held // 2**20} MiB{said}): stopped before the kernel's "

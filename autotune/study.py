@@ -559,7 +559,8 @@ def measure_in_child(req: TuneRequest) -> Measure:
             launcher=req.launcher,
             stop_above_bytes=STOP_ABOVE_BUDGET * req.budget_bytes if cpu_trial else None,
             stop_above_what=f"{STOP_ABOVE_BUDGET}x the {format_size(req.budget_bytes)} budget",
-            budget_bytes=req.budget_bytes if cpu_trial else None,
+            # held past the budget less the margin, a trial cannot fit, however it was stopped
+            may_hold_bytes=req.budget_bytes - req.margin_bytes if cpu_trial else None,
         )
 
     return measure

@@ -86,17 +86,18 @@ def machine_was_short(result: dict) -> bool:
     return bool(result.get(HELD_WITHIN_BUDGET))
 
 
-def host_memory_mark(device: str, held: int = 0, budget_bytes: int | None = None) -> dict:
+def host_memory_mark(device: str, held: int = 0, may_hold_bytes: int | None = None) -> dict:
     """What an out_of_memory result adds when host memory ran short (runner's host reserve,
     MemoryError, torch's CPU allocator). On a GPU target, where the budget is the GPU's: marked
-    the host's. On a CPU, where the budget is host memory and the caller knows it
-    (`budget_bytes`): a trial that `held` no more is marked the machine's (others took the
-    memory); one that held more records that as its peak. Else nothing: the budget's verdict."""
+    the host's. On a CPU, where the budget is host memory and the caller knows what a trial may
+    hold and still fit (`may_hold_bytes`, the budget less its margin): a trial that `held` no
+    more is marked the machine's (others took the memory); one that held more cannot fit, and
+    records that as its peak. Else nothing: the budget's verdict."""
     if device.startswith("cuda"):
         return {OUT_OF_MEMORY_ON: "host"}
-    if budget_bytes is None:
+    if may_hold_bytes is None:
         return {}
-    if held <= budget_bytes:
+    if held <= may_hold_bytes:
         return {OUT_OF_MEMORY_ON: "host", HELD_WITHIN_BUDGET: True}
     return {"peak_memory_bytes": held}
 

@@ -400,12 +400,12 @@ def test_host_memory_short_on_a_cpu_is_the_budgets_verdict_only_past_the_budget(
     ruled out every config it confirmed and wrote no profile (helper 62's run). Within its budget
     it is now the machine's; past it, it records what it held as its peak."""
     monkeypatch.setattr(runner, "HOST_RESERVE_BYTES", psutil.virtual_memory().total)
-    within = runner.run_trial(request(), tmp_path / "w", timeout_s=300, launcher="spawn", budget_bytes=2**40)
+    within = runner.run_trial(request(), tmp_path / "w", timeout_s=300, launcher="spawn", may_hold_bytes=2**40)
     assert within["status"] == worker.OUT_OF_MEMORY and worker.ran_out_of_host_memory(within)
     assert not worker.ran_out_of_budgeted_memory(within) and "peak_memory_bytes" not in within
     assert worker.machine_was_short(within)
-    assert "within its 1024.00 GiB budget: other processes hold the rest" in within["error"]
-    past = runner.run_trial(request(), tmp_path / "p", timeout_s=300, launcher="spawn", budget_bytes=1)
+    assert "within the 1024.00 GiB it may hold to fit: other processes hold the rest" in within["error"]
+    past = runner.run_trial(request(), tmp_path / "p", timeout_s=300, launcher="spawn", may_hold_bytes=1)
     assert worker.ran_out_of_budgeted_memory(past) and past["peak_memory_bytes"] > 1
     assert not trial_processes()
 

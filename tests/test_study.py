@@ -1486,3 +1486,22 @@ def test_the_summary_says_how_many_trials_that_ran_were_over_the_budget(tmp_path
     assert "trials measured: 3 (ok 3; of those 1 over the budget)" in text.getvalue()
     # one point on the front (all ran in 2 s, in 500 MiB): said too, not left out
     assert "feasible Pareto front (memory -> latency): 500.00 MiB -> 2.000 s\n" in text.getvalue()
+
+
+def test_a_cpu_trial_stopped_holding_more_than_the_budget_less_its_margin_cannot_fit(tmp_path, monkeypatch):
+    """A CPU trial stopped because the machine ran short is the machine's only while it held what a
+    config may hold and fit: the budget less the margin. Held past that (within the budget), it
+    was marked the machine's and measured again, when its config cannot fit whatever the machine.
+    A real child, stopped at the runner's first look (its host reserve set to all memory)."""
+    import psutil
+
+    from autotune import runner, worker
+
+    monkeypatch.setattr(runner, "HOST_RESERVE_BYTES", psutil.virtual_memory().total)
+    budget = 2**40
+    measure = study.measure_in_child(request(SearchSpace(SPACE), tmp_path, budget_bytes=budget,
+                                             margin=str(budget - 1), launcher="spawn", trials=1))
+    spec = resolve_model("tiny-sd15")
+    result = measure(worker.trial_request(spec, baseline(), spec.default_workload, "cpu"), tmp_path / "t", lambda: None)
+    assert worker.ran_out_of_budgeted_memory(result) and not worker.machine_was_short(result), result
+    assert result["peak_memory_bytes"] > 1
