@@ -314,7 +314,6 @@ def terminate_as_interrupt() -> None:
     measured trials kept. Left at their default, they killed the parent alone and left the
     trial's process (or --gpus' workers) running, unsupervised.
     The benchmarks call it too: stopped by `timeout`, they stop their trial the same way."""
-    import _thread
     import signal
 
     def interrupt(signum, frame):
@@ -333,9 +332,16 @@ def terminate_as_interrupt() -> None:
         # thread, so that it reaches the main thread's code once the callback has ended (called
         # from here, it would be raised inside this hook, and dropped again).
         if isinstance(info.exc_value, KeyboardInterrupt):
-            threading.Timer(0.01, _thread.interrupt_main, (signal.SIGTERM,)).start()
+            threading.Timer(0.01, redeliver).start()
         else:
             previous(info)
+
+    def redeliver():
+        # A real signal to the main thread, not _thread.interrupt_main: that one only flags the
+        # interrupt, and a main thread blocked in a call (a sleep, a wait) slept on to its end.
+        # Sent only while our handler holds it: at exit Python puts the default back, which kills.
+        if signal.getsignal(signal.SIGTERM) is interrupt:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     unraisable.redelivers_interrupts = True
     if threading.current_thread() is threading.main_thread():
