@@ -847,7 +847,7 @@ def _warm_start_configs(sources: list[str], storage: str, model: str) -> list[di
 
     from .errors import AutotuneError, os_reason
     from .profile import load_profile
-    from .report import study_and_storage
+    from .storages import study_and_storage
     from .study import summarize
     import optuna
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import html
 import os
-import re
 import shlex
 import textwrap
 import warnings
@@ -34,8 +33,9 @@ from .choice import pareto_front
 from .console import RULED_OUT_SAID, count
 from .errors import AutotuneError, os_reason
 from .sizes import parse_margin, smallest_budget
-from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, check_file, check_url, default_storage,
-                       display_url, is_masked, open_storage, sqlite_url, storage_file, with_storage_file)
+from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_url, check_file, check_url,
+                       default_storage, display_url, is_masked, is_storage_url, open_storage,
+                       storage_file, study_and_storage, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
@@ -240,9 +240,6 @@ def _stale_end(t, retried: set, starts: list[datetime]) -> tuple[datetime, bool]
     return min([complete, *(s for s in starts if s > t.datetime_start)]), True
 
 
-SQLITE_HEADER = b"SQLite format 3\0"
-
-
 def _checked(check, *args, **kwargs):
     """`check`'s answer, its AutotuneError as a ReportError."""
     try:
@@ -253,18 +250,6 @@ def _checked(check, *args, **kwargs):
 
 def _open_storage(url: str):
     return _checked(open_storage, url, existing=True)  # a missing file is an error, not created
-
-
-def _is_sqlite_file(text: str) -> bool:
-    """A path that names a SQLite database: one ending .db, or a file that begins as one does."""
-    path = Path(text)
-    if text.endswith(".db"):
-        return True
-    try:
-        with path.open("rb") as f:
-            return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
-    except OSError:
-        return False
 
 
 def load_study(url: str, name: str, label: str | None = None, storage=None) -> StudyData:
@@ -381,29 +366,6 @@ def _storage_candidates(url: str | None, profile_dir: Path) -> list[str]:
     return [with_storage_file(url, p) for p in found]
 
 
-def _is_url(text: str) -> bool:
-    return "://" in text or text.startswith("journal:")
-
-
-_STORAGE_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|journal:")
-
-
-def study_and_storage(entry: str) -> tuple[str, str] | None:
-    """`NAME@STORAGE` as (name, storage URL), split at the first '@' that a storage URL or a
-    SQLite file that is there follows: a study name may hold '@' ("team@gpu1"), and a URL's own '@'
-    (postgresql://user:pw@host/db) comes after its start. None: no storage named."""
-    at = entry.find("@")
-    while at != -1:
-        rest = entry[at + 1:]
-        if _STORAGE_URL_START.match(rest) or (os.path.isfile(rest) and _is_sqlite_file(rest)):
-            return entry[:at], _as_url(rest)
-        at = entry.find("@", at + 1)
-    at = entry.rfind("@")  # a SQLite file not there (x@missing.db): its name is what follows the last '@'
-    if at > 0 and entry.endswith(".db"):
-        return entry[:at], _as_url(entry[at + 1:])
-    return None
-
-
 def _entries(sources: str) -> list[str]:
     """One string of sources as its entries: separated by spaces or newlines, an entry holding
     spaces (a study name) quoted as a shell would. Without quotes, or with quotes a shell would
@@ -454,7 +416,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         if study_at:  # its key known before loading: a study given twice is loaded once
             name, url = study_at
             add([_study_key(url, name)], f"{name}@{display_url(url)}", lambda: load_study(url, name))
-        elif _is_url(as_url := _as_url(entry)):
+        elif is_storage_url(as_url := as_storage_url(entry)):
             entry = as_url
             # autotune's studies only: a storage may hold other Optuna studies beside them
             backend = _open_storage(entry)  # opened once for all its studies
@@ -490,12 +452,6 @@ def _without_moved_twins(loaded: list[StudyData]) -> list[StudyData]:
             twin.notes.append(f"{d.name}: given again (profile {d.origin}, whose recorded storage is not "
                               "here), compared once")
     return kept
-
-
-def _as_url(text: str) -> str:
-    """A source that names a SQLite file (x.db) as its storage URL: the sources name storages
-    and profiles, and a database file is never a profile."""
-    return sqlite_url(Path(text)) if text and not _is_url(text) and _is_sqlite_file(text) else text
 
 
 def _study_key(url: str, name: str) -> tuple:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -236,10 +237,52 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         raise AutotuneError(f"storage {shown}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
 
 
+# ---- naming storages: URLs, SQLite files, NAME@STORAGE ----------------------------------------
+SQLITE_HEADER = b"SQLite format 3\0"
+_STORAGE_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|journal:")
+
+
+def is_storage_url(text: str) -> bool:
+    """Written as a storage URL (a database URL or journal:PATH), not as a path."""
+    return "://" in text or text.startswith("journal:")
+
+
+def is_sqlite_file(text: str) -> bool:
+    """A path that names a SQLite database: one ending .db, or a file that begins as one does."""
+    if text.endswith(".db"):
+        return True
+    try:
+        with Path(text).open("rb") as f:
+            return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    except OSError:
+        return False
+
+
+def as_storage_url(text: str) -> str:
+    """A path that names a SQLite file (x.db) as its storage URL; anything else as it is."""
+    return sqlite_url(Path(text)) if text and not is_storage_url(text) and is_sqlite_file(text) else text
+
+
+def study_and_storage(entry: str) -> tuple[str, str] | None:
+    """`NAME@STORAGE` as (name, storage URL), split at the first '@' that a storage URL or a
+    SQLite file that is there follows: a study name may hold '@' ("team@gpu1"), and a URL's own '@'
+    (postgresql://user:pw@host/db) comes after its start. None: no storage named."""
+    at = entry.find("@")
+    while at != -1:
+        rest = entry[at + 1:]
+        if _STORAGE_URL_START.match(rest) or (os.path.isfile(rest) and is_sqlite_file(rest)):
+            return entry[:at], as_storage_url(rest)
+        at = entry.find("@", at + 1)
+    at = entry.rfind("@")  # a SQLite file not there (x@missing.db): its name is what follows the last '@'
+    if at > 0 and entry.endswith(".db"):
+        return entry[:at], as_storage_url(entry[at + 1:])
+    return None
+
+
 def check_url(url: str) -> None:
     """One AutotuneError if `url` is not written as a storage URL (a path typed where a URL goes:
     SQLAlchemy's "Could not parse SQLAlchemy URL" says less)."""
-    if url != "memory" and "://" not in url and not url.startswith("journal:"):
+    if url != "memory" and not is_storage_url(url):
         raise AutotuneError(f"storage {url}: not a storage URL; for a SQLite file write "
                             f"{sqlite_url(Path(url))}, for a journal file journal:{url}")
 

@@ -19,6 +19,7 @@ import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from autotune import storages
 from autotune.sizes import smallest_budget
 from helpers import run_cli
 
@@ -562,7 +563,7 @@ def test_a_study_name_with_spaces_or_an_at_sign_can_be_given(tmp_path):
                   [f"{name}@{tmp_path / 's.db'}"]):
         (data,) = report.load(**given) if isinstance(given, dict) else report.load(given)
         assert data.name == name and data.best.latency_s == 1.0, given
-    assert report.study_and_storage("a@postgresql://user:pw@host/db") == ("a", "postgresql://user:pw@host/db")
+    assert storages.study_and_storage("a@postgresql://user:pw@host/db") == ("a", "postgresql://user:pw@host/db")
     # a quote no shell would close is a path's apostrophe, kept as written (helper 64)
     assert report._entries("/tmp/O'Brien/s.db b.yaml") == ["/tmp/O'Brien/s.db", "b.yaml"]
     # a SQLite file that is not there is named as what follows the last '@' (helper 64)
