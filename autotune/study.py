@@ -355,7 +355,7 @@ def _fail_stale_trials(study: optuna.Study) -> None:
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=storages.MAX_RETRIES)
         journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
-        for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        for frozen in _running(study):
             orphaned = _holder_gone(frozen)
             if journal and not orphaned:
                 # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the
@@ -371,15 +371,15 @@ def _fail_stale_trials(study: optuna.Study) -> None:
             retry(study, storage.get_trial(frozen._trial_id))
 
 
-def _given_up(study: optuna.Study) -> list[Config]:
-    """The configs whose trial was left running by a dead process MAX_RETRIES + 1 times, which
-    Optuna's retry queues no more, and that no trial measured, runs or waits to measure since."""
-    trials = study.get_trials(deepcopy=False)
+def _given_up(trials: list[optuna.trial.FrozenTrial]) -> list[Config]:
+    """Of a study's `trials`, the configs whose trial was left running by a dead process
+    MAX_RETRIES + 1 times, which Optuna's retry queues no more, and that no trial measured, runs or
+    waits to measure since."""
     # A config waiting again (queued by _queue_again after a Ctrl-C, say) has no config_key yet:
     # its params, as queued, tell it.
     live = [t.system_attrs.get("fixed_params", t.params) for t in trials
             if t.state in (TrialState.WAITING, TrialState.RUNNING)]
-    measured = _measured(study)
+    measured = _measured(trials)
     given_up = {}
     for frozen in trials:
         key = frozen.user_attrs.get("config_key")
@@ -487,7 +487,7 @@ def unfinished(study: optuna.Study) -> str | None:
     """What a study has not finished, for an export made meanwhile (None when nothing): trials
     running or queued, a confirmation running, and trials left running by a process of this
     machine that has ended (the next run measures them again)."""
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    running = _running(study)
     left = [t for t in running if _holder_gone(t)]
     measuring = [t.number for t in running if t not in left and CONFIRMER not in t.user_attrs]
     parts = []
@@ -783,11 +783,12 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     study, created = open_study(req.storage, req.study_name, req.seed)
     _hold_the_request(study, req)
     if not created:  # a resume, or a worker joining: said before anything is measured
-        kept = len(_measured(study))
+        trials = study.get_trials(deepcopy=False)
+        kept = len(_measured(trials))
         on_step(f"study {req.study_name} exists in this storage: " + (
             f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
             else "no trial measured yet, the search starts there"))
-        for config in _given_up(study):
+        for config in _given_up(trials):
             on_step(f"not measured again: [{config_changes(config)}], whose process died "
                     f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "
                     "out-of-memory killer?); the sampler may propose it again")
@@ -1028,12 +1029,12 @@ def _frozen_on_cpu(seed: Config) -> list[Config]:
     return [seed] if seed.get("compile", "none") == "none" else [{**seed, "compile_freezing": True}, seed]
 
 
-def _measured(study: optuna.Study) -> dict[str, int]:
-    """The configs the study has measured (a trial's own measurement, not a duplicate's): config
-    key -> its trial number."""
+def _measured(trials: list[optuna.trial.FrozenTrial]) -> dict[str, int]:
+    """The configs measured by these trials of a study (a trial's own measurement, not a
+    duplicate's): config key -> its trial number."""
     out: dict[str, int] = {}
-    for frozen in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
+    for frozen in trials:
+        if frozen.state == TrialState.COMPLETE and "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
             out.setdefault(frozen.user_attrs["config_key"], frozen.number)
     return out
 
@@ -1210,7 +1211,7 @@ def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: op
         return Settled.BEING_MEASURED
     # Read the measured configs again, after the running ones: a twin that finished since the
     # pass's read is running no more, and only this second read sees it done.
-    done = _measured(study)
+    done = _measured(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     if key in done:
         earlier = study.trials[done[key]]
         trial.set_user_attr("result", earlier.user_attrs["result"])
@@ -1466,7 +1467,7 @@ WITHDRAWN = "withdrawn"  # user attr of a claim that lost the race to another wo
 
 
 def _confirmers(study: optuna.Study) -> list[int]:
-    return sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return sorted(t.number for t in _running(study)
                   if CONFIRMER in t.user_attrs)
 
 

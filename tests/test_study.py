@@ -305,7 +305,7 @@ def test_a_config_whose_process_died_each_time_it_was_measured_is_said_on_resume
         trial.set_user_attr("config_key", config_key(doomed))
         study._heartbeat(shared._storage, trial)
         study._fail_stale_trials(shared)
-    assert study._given_up(shared) == [doomed]
+    assert study._given_up(shared.get_trials(deepcopy=False)) == [doomed]
     monkeypatch.setattr(storages, "GRACE_S", 20.0)
     said = []
     study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=storage), measure=measure,
@@ -313,7 +313,7 @@ def test_a_config_whose_process_died_each_time_it_was_measured_is_said_on_resume
     assert any(line.startswith("not measured again: [dtype=float16], whose process died 3 times") for line in said), said
     # queued again since (as a Ctrl-C's _queue_again does, which writes no config_key): not given up
     shared.enqueue_trial(space.params(doomed))
-    assert study._given_up(shared) == []
+    assert study._given_up(shared.get_trials(deepcopy=False)) == []
 
 
 @pytest.mark.parametrize("kind", ["journal", "sqlite"])
