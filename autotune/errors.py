@@ -24,6 +24,14 @@ class ProfileError(AutotuneError):
     """A profile file is missing, corrupt, truncated or of another format version."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of what an exception says, for a one-line error: a database error's own
+    (`orig`, under SQLAlchemy's wrapper, which adds lines of its own), or the exception's type
+    where it says nothing."""
+    said = str(getattr(exc, "orig", None) or exc).strip()
+    return said.splitlines()[0] if said else type(exc).__name__
+
+
 def os_reason(exc: OSError) -> str:
     """What an OSError says, readable at the end of a one-line error."""
     if isinstance(exc, FileExistsError):  # mkdir where a file has the folder's name

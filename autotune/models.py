@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError, os_reason
+from .errors import ModelError, first_line, os_reason
 from .workload import Workload
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
@@ -387,8 +387,7 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
             # local_files_only: never the network, and a hub id missing from the cache fails at once.
             return pipeline_class.from_pretrained(spec.source, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load '{spec.source}': {reason}") from e
+        raise ModelError(f"cannot load '{spec.source}': {first_line(e)}") from e
 
 
 # --- random weights -------------------------------------------------------------------------------

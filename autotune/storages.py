@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import AutotuneError
+from .errors import AutotuneError, first_line
 
 if TYPE_CHECKING:  # optuna is imported where a storage opens: the CLI's --help stays quick
     import optuna
@@ -233,8 +233,7 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         raise AutotuneError(f"storage {shown}: cannot open it: its database driver is not installed "
                             f"(no module {missing}){fix}") from None
     except Exception as exc:  # SQLAlchemy's and the drivers' errors: many types, one meaning here
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        raise AutotuneError(f"storage {shown}: cannot open it ({detail[0] if detail else type(exc).__name__})") from None
+        raise AutotuneError(f"storage {shown}: cannot open it ({first_line(exc)})") from None
 
 
 # ---- naming storages: URLs, SQLite files, NAME@STORAGE ----------------------------------------

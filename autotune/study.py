@@ -37,7 +37,7 @@ from optuna.trial import TrialState
 from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import config_changes, count, counts_text
-from .errors import AutotuneError
+from .errors import AutotuneError, first_line
 from .knobs import CATALOGUE, Config, Target, baseline
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
@@ -408,10 +408,8 @@ def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[
         except optuna.exceptions.DuplicatedStudyError:
             return optuna.load_study(storage=backend, study_name=study_name, sampler=make_sampler(seed)), False
     except optuna.exceptions.StorageInternalError as exc:  # a read-only file or database, a full disk
-        cause = exc.__cause__
-        detail = str(getattr(cause, "orig", None) or cause or exc).strip().splitlines()
         raise AutotuneError(f"storage {storages.display_url(storage)}: cannot write the study there "
-                            f"({detail[0] if detail else exc})") from None
+                            f"({first_line(exc.__cause__ or exc)})") from None
 
 
 def stored_violations(frozen: optuna.trial.FrozenTrial) -> dict:
