@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .sizes import format_size
-from .worker import ran_out_of_host_memory
+from .worker import OK, ran_out_of_host_memory
 
 # knobs (and torch with them) are imported where used: reports and notebooks import this module
 # for `count` alone.
@@ -170,7 +170,7 @@ class TrialProgress:
         if record.feasible and (self.best is None or record.latency_s < self.best.latency_s):
             self.best = record
         r = record.result
-        if record.status == "ok":
+        if record.status == OK:
             what = f"{record.latency_s:.3f} s, {format_size(record.peak_memory_bytes)}"
             q = r.get("quality")
             if q:
@@ -356,11 +356,11 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
         ("cold start", "cold_start_s", lambda v: f"{v:.1f} s"),
     ):
         # a replay that failed measured nothing comparable: its peak is where it stopped
-        old, new = best.get(key), result.get(key) if result.get("status") == "ok" else None
+        old, new = best.get(key), result.get(key) if result.get("status") == OK else None
         ratio = f"{new / old:.3f}" if old and new else "-"
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)
-    if result.get("status") == "ok" and _busy_note(result):  # as a trial's line says it
+    if result.get("status") == OK and _busy_note(result):  # as a trial's line says it
         out.print(f"warning: replayed{_busy_note(result)}: the replayed latency reflects their load as "
                   "much as the profile's settings; verify again when they are done")
     if fits is None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .worker import BLANK_OUTPUT, NAN_OUTPUT, OK
+
 # The "auto" threshold: the PSNR bfloat16 alone reaches against the float32 reference, less this
 # slack (6 dB: four times its squared error), and never above AUTO_MAX_DB. On the tiny pipelines
 # (benchmarks/quality_calibration.py) precision changes alone stay within 3 dB of bfloat16 or
@@ -35,11 +37,11 @@ def auto_threshold(bfloat16_psnr_db: float | None) -> float:
 
 
 def defect(images: np.ndarray) -> str | None:
-    """Why an output is unusable ("nan_output" or "blank_output"), or None."""
+    """Why an output is unusable (its trial status: worker.NAN_OUTPUT or BLANK_OUTPUT), or None."""
     if not np.isfinite(images).all():
-        return "nan_output"
+        return NAN_OUTPUT
     if any(float(image.std()) < BLANK_STD for image in images):
-        return "blank_output"
+        return BLANK_OUTPUT
     return None
 
 
@@ -88,7 +90,7 @@ def readable(path: Path) -> bool:
 def assess(result: dict, reference: Path) -> dict | None:
     """PSNR/SSIM of a trial's saved output against the reference, or None when either is missing."""
     output = result.get("output")
-    if result.get("status") != "ok" or not output or not Path(output).exists() or not reference.exists():
+    if result.get("status") != OK or not output or not Path(output).exists() or not reference.exists():
         return None
     return compare(np.load(output), np.load(reference))
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from . import worker
 from .choice import pareto_front
 from .console import RULED_OUT_SAID, count
 from .errors import AutotuneError, os_reason
@@ -42,18 +43,18 @@ DPI = 100
 
 # Timeline classes, in legend order: how each trial ended.
 CLASS_COLORS = {
-    "ok": "#2ca02c",
+    worker.OK: "#2ca02c",
     "over budget": "#ff7f0e",
     "low quality": "#bcbd22",  # ran, but its output is too far from the float32 reference
     "failed again": "#ad494a",  # ran and fit, but a confirmation of it failed (crashed, timed out, host memory)
-    "out_of_memory": "#d62728",
-    "unsupported": "#7f7f7f",
-    "compile_error": "#9467bd",
-    "nan_output": "#8c564b",
-    "blank_output": "#a0522d",
-    "error": "#800000",
-    "timeout": "#e377c2",
-    "crashed": "#000000",
+    worker.OUT_OF_MEMORY: "#d62728",
+    worker.UNSUPPORTED: "#7f7f7f",
+    worker.COMPILE_ERROR: "#9467bd",
+    worker.NAN_OUTPUT: "#8c564b",
+    worker.BLANK_OUTPUT: "#a0522d",
+    worker.ERROR: "#800000",
+    worker.TIMEOUT: "#e377c2",
+    worker.CRASHED: "#000000",
     "interrupted": "#555555",
     "duplicate": "#c7c7c7",
     "forbidden": "#dbdb8d",
@@ -62,12 +63,11 @@ CLASS_COLORS = {
 }
 # How a class is said in the legend and the overview: "ok" beside "ok 16" on the console (every
 # trial that ran) would read as the same count; a study's confirmation phase is one bar.
-CLASS_NAMES = {"ok": "ran and fits", "confirmation": "confirmation phase", "failed again": "failed when measured again"}
+CLASS_NAMES = {worker.OK: "ran and fits", "confirmation": "confirmation phase", "failed again": "failed when measured again"}
 # timeline bars that are not the search's measurements: an interrupted trial's config is queued
 # again and measured in a later trial
 NOT_MEASURED = ("duplicate", "forbidden", "known not to fit", "confirmation", "interrupted")
-FAILURES = ("out_of_memory", "unsupported", "compile_error", "nan_output", "blank_output", "error", "timeout",
-            "crashed")
+FAILURES = worker.FAILED_STATUSES
 
 
 class ReportError(AutotuneError):
@@ -83,7 +83,7 @@ class Point:
     config: dict
     latency_s: float | None
     peak_memory_bytes: int | None
-    status: str = "ok"
+    status: str = worker.OK
     feasible: bool = True
     baseline: bool = False
     result: dict = field(default_factory=dict)
@@ -134,7 +134,7 @@ class StudyData:
         """Whether any configuration ran and was timed: a study stopped (Ctrl-C) before its first
         trial ended, or whose every trial timed out or ran out of memory, has nothing to draw and
         is left out of the charts."""
-        return any(p.status == "ok" and p.latency_s for p in self.points)
+        return any(p.status == worker.OK and p.latency_s for p in self.points)
 
     def why_no_best(self) -> str:
         """Why the study has no best configuration, in the words of the CLI's error."""
@@ -189,9 +189,9 @@ def trial_class(frozen, record=None) -> str | None:
     result = attrs.get("result")
     if not result:
         return "error"
-    if result["status"] == "ok":
+    if result["status"] == worker.OK:
         ruled_out_by = (record or record_of(frozen)).ruled_out_by
-        return RULED_OUT_SAID[ruled_out_by].timeline if ruled_out_by else "ok"
+        return RULED_OUT_SAID[ruled_out_by].timeline if ruled_out_by else worker.OK
     return result["status"] if result["status"] in CLASS_COLORS else "error"
 
 
@@ -527,7 +527,7 @@ def _unbudgeted_front(points: list[Point]) -> list[Point]:
     """The Pareto front of every successful measurement that only the budget rules out, the
     budget ignored: one below the quality guard, or that failed when measured again, would not
     be picked with more memory either."""
-    ok = [p for p in points if p.status == "ok" and p.latency_s and p.peak_memory_bytes
+    ok = [p for p in points if p.status == worker.OK and p.latency_s and p.peak_memory_bytes
           and not p.ruled_out_otherwise]
     return pareto_front(ok, lambda p: p.peak_memory_bytes, lambda p: p.latency_s)
 
@@ -547,7 +547,7 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
 
     key = {"latency": "latency_s", "memory": "peak_memory_bytes"}[target]
     trials = [t for t in study._trials
-              if t.user_attrs.get("result", {}).get("status") == "ok"
+              if t.user_attrs.get("result", {}).get("status") == worker.OK
               and t.user_attrs["result"].get(key) is not None and t.params]
     if not study._trials:
         why = "a profile without its study" if study.source == "profile" else "none measured"
@@ -660,7 +660,7 @@ def plot_fronts(studies: list[StudyData]):
     unit, scale = memory_unit(values)
     top = max([v for v in values if v] or [1])
     for s, color in zip(studies, _colors(len(studies))):
-        ok = [p for p in s.points if p.status == "ok" and p.latency_s and p.peak_memory_bytes]
+        ok = [p for p in s.points if p.status == worker.OK and p.latency_s and p.peak_memory_bytes]
         fit = [p for p in ok if p.feasible]
         if fit:
             ax.scatter([p.peak_memory_bytes / scale for p in fit], [p.latency_s for p in fit],

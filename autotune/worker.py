@@ -33,6 +33,7 @@ BLANK_OUTPUT = "blank_output"  # every pixel the same (the black image of an fp1
 ERROR = "error"
 TIMEOUT = "timeout"  # set by the parent
 CRASHED = "crashed"  # set by the parent
+FAILED_STATUSES = (OUT_OF_MEMORY, UNSUPPORTED, COMPILE_ERROR, NAN_OUTPUT, BLANK_OUTPUT, ERROR, TIMEOUT, CRASHED)
 
 
 def trial_request(
