@@ -15,16 +15,20 @@ import psutil
 
 from .sizes import format_size
 
-PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "torchao", "xformers", "optuna", "autotune")
+PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "torchao", "xformers", "optuna")
 
 
 def software() -> dict:
+    from . import __version__
+
     out = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    # the code that runs, installed or not (a checkout on PYTHONPATH has no package metadata)
+    out["autotune"] = __version__
     return out
 
 
@@ -127,11 +131,6 @@ def usable_cores() -> int:
     """The CPU cores this process may run on: its affinity (a container's cpuset, a `taskset`),
     not the whole machine's count (os.process_cpu_count, from Python 3.13)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def device_memory_bytes(device: str) -> int:
-    """What the device can hold in all: the default budget when none is given."""
-    return machine(device)["memory_bytes"]
 
 
 def capability(device: str) -> tuple[int, int] | None:
