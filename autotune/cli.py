@@ -442,19 +442,13 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 # ---- tune --------------------------------------------------------------------------------------
 def _resolve_device(name: str) -> str:
     from .errors import AutotuneError
-    from .fingerprint import cuda_available, cuda_device_count, is_device_name
+    from .fingerprint import cuda_available, device_problem
 
     if name == "auto":
         return "cuda" if cuda_available() else "cpu"
-    if name == "cpu":
-        return name
-    if is_device_name(name):
-        if not cuda_available():
-            raise AutotuneError(f"--device {name}: no CUDA GPU is usable here")
-        if name.startswith("cuda:") and int(name[5:]) >= cuda_device_count():
-            raise AutotuneError(f"--device {name}: no such GPU (GPUs usable here: {cuda_device_count()})")
-        return name
-    raise AutotuneError(f"--device {name}: expected cuda, cuda:N or cpu")
+    if problem := device_problem(name):
+        raise AutotuneError(f"--device {name}: {problem}")
+    return name
 
 
 def _study_name(spec, workload, budget, device, space, margin: int, threads: int, min_psnr) -> str:

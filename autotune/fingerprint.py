@@ -75,6 +75,21 @@ def is_device_name(name) -> bool:
     return isinstance(name, str) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None
 
 
+NO_CUDA = "no CUDA GPU is usable here"
+
+
+def device_problem(name) -> str | None:
+    """Why `name` cannot be measured or served on here (not cpu, cuda or cuda:N; no CUDA GPU
+    usable; no GPU of that number), or None where it can. The caller names whose device it was."""
+    if not is_device_name(name):
+        return "expected cpu, cuda or cuda:N"
+    if name.startswith("cuda") and not cuda_available():
+        return NO_CUDA
+    if name.startswith("cuda:") and int(name[5:]) >= cuda_device_count():
+        return f"no such GPU (GPUs usable here: {cuda_device_count()})"
+    return None
+
+
 def cuda_available() -> bool:
     """Whether a CUDA GPU is usable, asked of NVML and torch's build without a CUDA context."""
     import torch

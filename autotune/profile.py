@@ -327,21 +327,19 @@ class Profile:
             device = f"cuda:{device}"
         elif isinstance(device, torch.device):
             device = str(device)  # "cpu", "cuda", "cuda:1"
-        if not fingerprint.is_device_name(device):  # else torch's own error, deep in .to()
-            raise ProfileError(f"device {device!r:.40}: expected cpu, cuda or cuda:N")
-        if device.startswith("cuda") and not fingerprint.cuda_available():
+        problem = fingerprint.device_problem(device)  # else torch's own error, deep in .to() or after loading
+        if problem == fingerprint.NO_CUDA:
             # whose choice the device was: the profile's, or the caller's (on a CPU profile too)
             if device == measured:
                 on_cpu = unrunnable(self.best["config"], Target(device="cpu", family=self.model.family,
                                                                  workload=self.workload))
                 hint = (f"its configuration cannot run on the CPU either ({'; '.join(on_cpu)})" if on_cpu
                         else "pass device='cpu' to load it anyway")
-                raise ProfileError(f"this profile was measured on {device}, and no CUDA GPU is usable here; {hint}")
-            raise ProfileError(f"device={device!r} was asked for (the profile was measured on {measured}), but no "
-                               f"CUDA GPU is usable here; leave device out or pass device={measured!r}")
-        if device.startswith("cuda:") and int(device[5:]) >= fingerprint.cuda_device_count():
-            # else torch's "invalid device ordinal", after the pipeline was loaded
-            raise ProfileError(f"device {device!r}: no such GPU (GPUs usable here: {fingerprint.cuda_device_count()})")
+                raise ProfileError(f"this profile was measured on {device}, and {problem}; {hint}")
+            raise ProfileError(f"device={device!r} was asked for (the profile was measured on {measured}), but "
+                               f"{problem}; leave device out or pass device={measured!r}")
+        if problem:
+            raise ProfileError(f"device {device!r:.40}: {problem}")
         return Target(device=device, family=self.model.family, capability=fingerprint.capability(device),
                       workload=self.workload)
 
