@@ -36,7 +36,10 @@ class UsageError(Exception):
     """Bad usage that only shows once the model or budget is known: exit 2, as argparse's."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """Every autotune command's parser (report's too): an error is one line and exit 2, and a
+    negative size is a value to refuse, not an option."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Let "--vram -1GB" reach the size parser (and its clear error) instead of argparse
@@ -163,7 +166,7 @@ def measurement_defaults() -> dict:
 
 
 def tune_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="autotune",
         description="Find the fastest diffusers configuration that fits a memory budget, by "
         "measuring each candidate in its own process; write it as a profile production loads.",
@@ -989,7 +992,7 @@ def _export(argv: list[str]) -> int:
     from .study import request_of, summarize, unfinished
     import optuna
 
-    p = _Parser(prog="autotune export", description="write the profile of a stored (shared) study")
+    p = Parser(prog="autotune export", description="write the profile of a stored (shared) study")
     p.add_argument("--study-name", required=True)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", type=a_storage_url, help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
@@ -1044,7 +1047,7 @@ def _profile_command(argv: list[str]) -> int:
         "verify": "replay a profile in a fresh process, as production loads it, and compare its latency and "
                   "peak memory with the recorded ones",
     }
-    p = _Parser(prog=f"autotune {command}", description=descriptions[command])
+    p = Parser(prog=f"autotune {command}", description=descriptions[command])
     p.add_argument("profile", type=a_path)
     if command == "verify":
         p.add_argument("--device", type=_device, help="where to replay it (default: where it was measured)")

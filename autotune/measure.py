@@ -83,7 +83,7 @@ class NvmlPeak:
         self.failure: str | None = None
         self._per_process = True
         self._start_used = pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
-        self._interval = interval_s
+        self.interval_s = interval_s
         self._pid = os.getpid()
         self.process_peak: int | None = None  # None: this process was never listed
         self.device_peak = 0
@@ -139,7 +139,7 @@ class NvmlPeak:
                     self.failure = f"NVML stopped answering: {exc}"
                     return
                 self.device_peak = max(self.device_peak, used)
-            self._stop.wait(self._interval)
+            self._stop.wait(self.interval_s)
 
     def stop(self) -> int:
         self._stop.set()
@@ -218,7 +218,7 @@ class MemoryTracker:
         allocated = reserved = outside = None
         try:
             torch.cuda.synchronize(gpu)
-            time.sleep(2 * poller._interval)  # let the poller see the final state
+            time.sleep(2 * poller.interval_s)  # let the poller see the final state
             allocated = torch.cuda.max_memory_allocated(gpu)
             reserved = torch.cuda.max_memory_reserved(gpu)
             outside = max(0, poller.current() - torch.cuda.memory_reserved(gpu))

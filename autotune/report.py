@@ -121,7 +121,7 @@ class StudyData:
     image_root: Path | None = None  # where relative result["image"] paths start
     notes: list[str] = field(default_factory=list)
     no_best: str | None = None  # StudyOutcome.why_no_best's words, for a study without a best
-    _trials: list = field(default_factory=list, repr=False)  # measured optuna FrozenTrials
+    trials: list = field(default_factory=list, repr=False)  # measured optuna FrozenTrials
 
     @property
     def speedup(self) -> float | None:
@@ -284,7 +284,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         baseline=_point(outcome.baseline) if outcome.baseline else None,
         timeline=_timeline(trials, outcome.records),
         image_root=path.resolve().parent if path else None,
-        _trials=[t for t in trials if t.number in measured],
+        trials=[t for t in trials if t.number in measured],
     )
     if outcome.best is None:  # the CLI's words, for the note, the table and the speedups chart
         data.no_best = outcome.why_no_best(data.budget_bytes or 0, request.get("margin_bytes") or 0, data.margin)[1]
@@ -327,7 +327,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
             except ReportError as exc:
                 failures.append(str(exc))
                 continue
-            data.points, data.timeline, data._trials = measured.points, measured.timeline, measured._trials
+            data.points, data.timeline, data.trials = measured.points, measured.timeline, measured.trials
             data.image_root, data.storage = measured.image_root, url
             picked = measured.best.trial if measured.best else None
             if data.best.trial is not None and picked != data.best.trial:
@@ -546,10 +546,10 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
     from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
 
     key = {"latency": "latency_s", "memory": "peak_memory_bytes"}[target]
-    trials = [t for t in study._trials
+    trials = [t for t in study.trials
               if t.user_attrs.get("result", {}).get("status") == worker.OK
               and t.user_attrs["result"].get(key) is not None and t.params]
-    if not study._trials:
+    if not study.trials:
         why = "a profile without its study" if study.source == "profile" else "none measured"
         return {}, f"{study.label}: no trials to rank knobs from ({why})"
     if len(trials) < MIN_IMPORTANCE_TRIALS:
@@ -824,7 +824,7 @@ def best_table(studies: list[StudyData]) -> list[dict]:
             "baseline_latency_s": s.baseline.latency_s if s.baseline else None,
             "speedup": s.speedup,
             "configuration": config_changes(s.best.config) if s.best else s.why_no_best(),
-            "measured_trials": len(s._trials) if s._trials else None,
+            "measured_trials": len(s.trials) if s.trials else None,
         })
     return rows
 
@@ -1117,9 +1117,9 @@ def main(argv: list[str]) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, none tried
-    from .cli import _Parser, a_path, a_storage_url
+    from .cli import Parser, a_path, a_storage_url
 
-    p = _Parser(
+    p = Parser(
         prog="autotune report",
         description="Compare studies: write their charts as PNG and an index.html page.",
         epilog="Examples: autotune report --out report/  (every study in the default storage); "

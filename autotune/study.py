@@ -91,6 +91,9 @@ class TuneRequest:
     # Rounds of re-measurement of the contenders (the fastest feasible configs) once the search
     # stops: the search keeps the lowest of many noisy single measurements, which is biased low.
     confirm_rounds: int = 0
+    # Memory repair (repair.py) of configs that ran out of memory; benchmarks switch it off to
+    # measure what it adds.
+    memory_repair: bool = True
 
     @property
     def reference_path(self) -> Path:
@@ -996,7 +999,7 @@ def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome
     now or before)."""
     trials, records = outcome.trials, outcome.records
     waiting = [t for t in trials if t.state == TrialState.WAITING]
-    if waiting or repair.count(trials) >= req.trials * repair.SHARE:
+    if waiting or not req.memory_repair or repair.count(trials) >= req.trials * repair.SHARE:
         return any("repair" in t.user_attrs for t in waiting)
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
     found = repair.next_repair(records, running, req.space, req.target.is_cuda,

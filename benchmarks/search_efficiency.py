@@ -208,7 +208,8 @@ def auto_budgets(table: Table) -> list[int]:
     return list(dict.fromkeys(b for b in budgets if table.feasible(b)))
 
 
-def run_ours(table: Table, budget: int, seed: int, max_trials: int, seeds: list | None = None) -> list[str]:
+def run_ours(table: Table, budget: int, seed: int, max_trials: int, seeds: list | None = None,
+             memory_repair: bool = True) -> list[str]:
     """The real tune loop on the table; returns the distinct configs measured, in order.
     `seeds`: expert starting points (partial configs) measured right after the baseline."""
     order: list[str] = []
@@ -229,6 +230,7 @@ def run_ours(table: Table, budget: int, seed: int, max_trials: int, seeds: list 
         target=Target(device=table.device, family=table.spec.family), storage="memory",
         study_name=f"replay-{seed}", trials=max_trials, workdir=Path(tempfile.gettempdir()) / "unused",
         seed=seed, min_psnr_db=None,  # the table holds latency and memory, no images
+        memory_repair=memory_repair,
     )
     study_mod.tune(req, measure=lookup)
     return order
@@ -304,12 +306,7 @@ def run_ours_with(factory):
 
 def run_ours_without_repair(table, budget, seed, max_trials):
     """ours, with the study's memory repair (autotune/repair.py) switched off: what it adds."""
-    real = study_mod._queue_a_repair
-    study_mod._queue_a_repair = lambda req, study, outcome: False
-    try:
-        return run_ours(table, budget, seed, max_trials)
-    finally:
-        study_mod._queue_a_repair = real
+    return run_ours(table, budget, seed, max_trials, memory_repair=False)
 
 
 def _quiet(factory, seed):
