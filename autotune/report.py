@@ -24,6 +24,7 @@ import os
 import shlex
 import textwrap
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -142,10 +143,7 @@ class StudyData:
 
     @property
     def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for span in self.timeline:
-            counts[span.kind] = counts.get(span.kind, 0) + 1
-        return counts
+        return dict(Counter(span.kind for span in self.timeline))
 
 
 def _point(record) -> Point:

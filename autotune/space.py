@@ -243,10 +243,10 @@ class LargeGrid(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice) or index < 0:
             raise IndexError("a LargeGrid is read from the start: iterate it")
-        for i, config in enumerate(self.space._iter_configs()):
-            if i == index:
-                return config
-        raise IndexError(index)
+        config = next(itertools.islice(self.space._iter_configs(), index, None), None)
+        if config is None:
+            raise IndexError(index)
+        return config
 
 
 def config_key(config: Config) -> str:

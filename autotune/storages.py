@@ -225,7 +225,7 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend
 
-            return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:") :]))
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
         return _rdb_storage(url)
     except ImportError as exc:  # Optuna's "Failed to import DB access module", the driver's name below
         missing = getattr(exc.__cause__, "name", None) or str(exc.__cause__ or exc)
