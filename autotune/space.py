@@ -28,7 +28,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-
 from .errors import SpaceError, read_yaml
 from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, matches
 
