@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import worker
 from .choice import pareto_front
-from .console import RULED_OUT_SAID, count
+from .console import RULED_OUT_SAID, config_changes, count
 from .errors import AutotuneError, os_reason
 from .sizes import parse_margin, smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_url, check_file, check_url,
@@ -528,12 +528,6 @@ def _unbudgeted_front(points: list[Point]) -> list[Point]:
     ok = [p for p in points if p.status == worker.OK and p.latency_s and p.peak_memory_bytes
           and not p.ruled_out_otherwise]
     return pareto_front(ok, lambda p: p.peak_memory_bytes, lambda p: p.latency_s)
-
-
-def config_changes(config: dict) -> str:
-    from .console import config_changes as changes
-
-    return changes(config)
 
 
 def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str, float], str | None]:
