@@ -31,7 +31,7 @@ from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, apply_conf
                     settings_found, unrunnable)
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
-from .models import FAMILIES, ModelSpec, denoiser_config, spec_problem
+from .models import FAMILIES, ModelSpec, check_weights_here, denoiser_config, spec_problem
 from .sizes import fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
@@ -403,6 +403,9 @@ class Profile:
         `budget_bytes` (bytes, or a size such as "6GB") picks it as `choose` does."""
         config, target = self.choose(budget_bytes)["config"], self._target(device)
         self._check_runs(config, target)  # before the build: a full-size model loads for minutes
+        # before the process-wide settings (threads, glibc's mmap threshold, which nothing puts
+        # back): a model folder that is gone changed them for a load that never happened
+        check_weights_here(self.model)
         self._set_measured_threads(target)
         return build_configured(self.model, config, target)
 

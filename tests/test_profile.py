@@ -150,6 +150,24 @@ def test_apply_says_a_setting_held_before_the_build_now_holds_only_from_now_on(w
         profile.load_pipeline()  # holds it before it builds, as the trial did
 
 
+def test_a_model_folder_that_is_gone_changes_nothing_in_the_serving_process(tmp_path):
+    """load_pipeline set torch's threads and glibc's mmap threshold (which nothing puts back),
+    then failed to find the model (helper 66): a refused load changed the process."""
+    import torch
+
+    from autotune.errors import ModelError
+
+    doc = document()
+    doc["model"] = {**doc["model"], "kind": "pretrained", "source": str(tmp_path / "gone")}
+    doc["measurement"] = {"threads": torch.get_num_threads() + 1}
+    doc["best"]["config"]["malloc_mmap_threshold"] = "1MiB"  # if set, held for the rest of this test process
+    doc["pareto"][1] = doc["best"]
+    threads = torch.get_num_threads()
+    with pytest.raises(ModelError, match="no such model folder"):
+        load_profile(profile_io.save(doc, tmp_path / "p.yaml")).load_pipeline()
+    assert torch.get_num_threads() == threads
+
+
 def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build(tmp_path, monkeypatch):
     """A profile's choices that cannot run on this machine (CUDA-only on a CPU, a package missing,
     one GPU for a balanced placement) failed inside diffusers, torchao or accelerate: a
