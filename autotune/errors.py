@@ -103,6 +103,8 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
         raise error(f"{what} {path}: cannot read it ({os_reason(exc)})") from None
     except UnicodeDecodeError:
         raise error(f"{what} {path}: not UTF-8 text (a binary or foreign file?)") from None
+    except ValueError:  # os.stat's "embedded null byte"
+        raise error(f"{what} {str(path)!r}: a path cannot hold a NUL byte") from None
     loader = _unique_key_loader()
     try:
         return yaml.load(text, Loader=loader)

@@ -372,6 +372,9 @@ def edit(path, change):
 def test_an_empty_profile_path_is_named_so():
     with pytest.raises(ProfileError, match="^profile path is empty: give the file autotune wrote$"):
         load_profile("")
+    # pathlib's "ValueError: embedded null byte" (helper 66)
+    with pytest.raises(ProfileError, match=r"^profile '/tmp/no\\x00pe.yaml': a path cannot hold a NUL byte$"):
+        load_profile("/tmp/no\x00pe.yaml")
 
 
 @pytest.mark.parametrize(
