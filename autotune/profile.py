@@ -525,7 +525,22 @@ def _check_measurement(measured: dict, path) -> None:
                            f"(0.05 for 5%) or null, not {spread!r:.40}")
 
 
-def _check_point(point, where: str, path) -> None:
+def _newer_autotune(data: dict) -> str:
+    """The hint for a config this autotune cannot read: where an autotune newer than this one wrote
+    the profile, a knob it added is unknown here."""
+    from packaging.version import InvalidVersion, Version
+
+    from . import __version__
+
+    wrote = (data.get("software") or {}).get("autotune") if isinstance(data.get("software"), dict) else None
+    try:
+        newer = wrote is not None and Version(str(wrote)) > Version(__version__)
+    except InvalidVersion:
+        return ""
+    return f" (written by autotune {wrote}, newer than this {__version__}: upgrade autotune to load it)" if newer else ""
+
+
+def _check_point(point, where: str, path, hint: str = "") -> None:
     if not isinstance(point, dict):
         raise ProfileError(f"profile {path}: {where} must be a mapping (a measured point), not {point!r:.40}")
     missing = [k for k in POINT_KEYS if k not in point]
@@ -548,7 +563,7 @@ def _check_point(point, where: str, path) -> None:
     try:
         complete(point["config"])
     except ValueError as exc:
-        raise ProfileError(f"profile {path}: {where}.config: {exc}") from None
+        raise ProfileError(f"profile {path}: {where}.config: {exc}{hint}") from None
 
 
 def validate(data, path) -> None:
@@ -591,11 +606,12 @@ def validate(data, path) -> None:
     problem = spec_problem(data["model"])
     if problem:
         raise ProfileError(f"profile {path}: section 'model' is malformed: {problem}")
-    _check_point(data["best"], "best", path)
+    hint = _newer_autotune(data)
+    _check_point(data["best"], "best", path, hint)
     if data.get("baseline") is not None:
-        _check_point(data["baseline"], "baseline", path)
+        _check_point(data["baseline"], "baseline", path, hint)
     for i, point in enumerate(data["pareto"]):
-        _check_point(point, f"pareto[{i}]", path)
+        _check_point(point, f"pareto[{i}]", path, hint)
     _check_measurement(data.get("measurement") or {}, path)
     for key in ("name", "storage"):  # read by reports to find the study's trials
         value = data["study"].get(key)
