@@ -390,7 +390,7 @@ def test_an_empty_profile_path_is_named_so():
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),
         # a knob an autotune newer than this one added: said so (helper 66)
         (lambda p: edit(p, lambda d: (d["software"].update(autotune="99.0"), d["best"]["config"].update(warp_drive=True))),
-         "best.config: unknown knob(s): warp_drive (written by autotune 99.0, newer than this 0.1.0: upgrade autotune"),
+         "best.config: unknown knob(s): 'warp_drive' (written by autotune 99.0, newer than this 0.1.0: upgrade autotune"),
         (lambda p: p.write_text("autotune_profile: !!python/object/apply:os.getpid []\n"),
          "uses the tag !!python/object/apply:os.getpid at line 1, which safe loading refuses"),
         # a key YAML reads as a number: a TypeError from the message's join, where it was said
