@@ -425,6 +425,11 @@ class Profile:
                           ProfileMismatchWarning, stacklevel=3)
         torch.set_num_threads(threads)
 
+    def check_runs_on(self, device: str | None = None) -> None:
+        """ProfileError where the best config cannot run on `device` here (as load_pipeline
+        would refuse it): for `autotune verify`, before it starts a replay."""
+        self._check_runs(self.config, self._target(device))
+
     def _check_runs(self, config: dict, target: Target) -> None:
         """ProfileError naming each choice that cannot run here, with its reason, or the rule the
         combination breaks: else the first one met fails inside diffusers, torchao or accelerate

@@ -931,11 +931,14 @@ def _no_cuda():
                      "--device cpu", 1, marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
         pytest.param("cpu", ["--device", "cuda"], "--device cuda: no CUDA GPU is usable here", 1,
                      marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is usable here")),
+        # a config that cannot run on the device asked for: refused before a replay starts, as
+        # load_pipeline refuses it (it was found only once a fresh interpreter had started)
+        ("cuda", ["--device", "cpu", "--trial-timeout", "0.5"], "cannot run on cpu here", 1),
     ],
-    ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda"],
+    ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda", "unrunnable-on-the-device"],
 )
 def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message, code):
-    write_profile(tmp_path / "p.yaml", device=device)
+    write_profile(tmp_path / "p.yaml", device=device, config={"attention": "sdpa-flash", "dtype": "bfloat16"} if "cpu" in args else None)
     proc = cli("verify", "p.yaml", *args)
     assert proc.returncode == code  # a device autotune does not know is bad usage (2), as any bad option value
     assert message in one_line_error(proc)
@@ -966,6 +969,16 @@ def test_verify_judges_the_fit_with_the_profile_margin_and_not_a_failed_replay(c
     proc = cli("verify", "nulls.yaml", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and " fits (" in proc.stdout
+
+    # a GPU profile replayed on the CPU: two devices compared, and no verdict on the GPU's budget
+    # (host memory was judged against it: "DOES NOT FIT", exit 3; helper 66)
+    write_profile(tmp_path / "gpu.yaml", device="cuda", budget="2GB", margin="1800MB")
+    proc = cli("verify", "gpu.yaml", "--device", "cpu", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert "note: measured on cuda, replayed on cpu: the ratios compare two devices, and the budget (2.00 GiB of " \
+           "cuda's memory) is not judged here" in said, said
+    assert "DOES NOT FIT" not in said and " fits (" not in said
 
     # a replay that measured nothing (killed at once) gets the failure, and no fit verdict
     proc = cli("verify", "roomy.yaml", "--trial-timeout", "0.5")
