@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..models import FAMILIES
 from ..workload import Workload
 
 
@@ -32,7 +33,7 @@ class Target:
 
     @property
     def has_unet(self) -> bool:
-        return self.family in ("sdxl", "sd15")
+        return FAMILIES[self.family].denoiser == "unet"
 
     @property
     def steps(self) -> int | None:
@@ -134,9 +135,7 @@ def denoiser_class(family: str):
     questions ("does it have enable_cache?") are asked of the class, before any pipeline exists."""
     import diffusers
 
-    name = {"sdxl": "UNet2DConditionModel", "sd15": "UNet2DConditionModel",
-            "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[family]
-    return getattr(diffusers, name)
+    return getattr(diffusers, FAMILIES[family].denoiser_class)
 
 
 def denoiser(pipe):
