@@ -237,9 +237,9 @@ def _attention_unavailable(value, target):
     if not target.is_cuda:
         return f"{value} needs a CUDA GPU"
     if value in SDPA_KERNELS:
-        if value == "sdpa-cudnn" and target.capability is not None and tuple(target.capability) < (8, 0):
+        if value == "sdpa-cudnn" and target.capability_below((8, 0)):
             return f"cuDNN attention needs compute capability 8.0 or more ({target.capability} here)"
-        if value == "sdpa-flash" and target.capability is not None and tuple(target.capability) < (8, 0):
+        if value == "sdpa-flash" and target.capability_below((8, 0)):
             return f"SDPA's flash kernel needs compute capability 8.0 or more ({target.capability} here)"
         return None
     if value == "xformers":
@@ -248,7 +248,7 @@ def _attention_unavailable(value, target):
     if target.family != "flux":
         return (f"attention-backend dispatcher ({value}) is a silent no-op for {target.family} in diffusers "
                 "0.42.1 (effective on Flux only)")
-    if value == "flash-attn-3" and target.capability is not None and tuple(target.capability) < (9, 0):
+    if value == "flash-attn-3" and target.capability_below((9, 0)):
         return f"FlashAttention 3 needs a Hopper GPU (compute capability 9.0; {target.capability} here)"
     return _dispatcher_requirement(_DISPATCHER[value])
 

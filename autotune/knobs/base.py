@@ -31,6 +31,11 @@ class Target:
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    def capability_below(self, least: tuple[int, int]) -> bool:
+        """Whether the GPU's compute capability is known and below `least`: False where it is not
+        known (a CPU, or a GPU whose capability was not read)."""
+        return self.capability is not None and tuple(self.capability) < least  # a worker reads it from JSON: a list
+
     @property
     def has_unet(self) -> bool:
         return FAMILIES[self.family].denoiser == "unet"

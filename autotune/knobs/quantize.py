@@ -100,7 +100,8 @@ def _quantize_unavailable(value, target):
         return None
     if value in _CUDA_ONLY:
         least, reason = _CUDA_ONLY[value]
-        if not target.is_cuda or target.capability is None or tuple(target.capability) < least:
+        # unlike the attention kernels, an unknown capability is taken as too low here
+        if not target.is_cuda or target.capability is None or target.capability_below(least):
             here = f"compute capability {target.capability}" if target.is_cuda else "a CPU"
             return f"{reason} ({here} here)"
     return package_missing("torchao")
