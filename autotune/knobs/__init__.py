@@ -5,13 +5,16 @@ into pipeline state; trial workers and production (`Profile.apply`) both call it
 (trials, `Profile.load_pipeline`) first holds the process settings of BEFORE_BUILD, then builds and
 calls it.
 
-Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
-and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
-fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
-moves to the device (so the device never holds the weights before they are rewritten); layout and the attention
-implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
-change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
-final modules. What ordering cannot fix is forbidden in CONFLICTS, each rule with its reason.
+Order matters, and lives in APPLY_ORDER alone: dtype, the VAE swap and the process-global
+precision flags first; fuse QKV before anything rewrites the weights (a quantized or fp8 weight
+cannot be concatenated); then quantization of the denoiser, the host allocator's mmap threshold
+(held from before the build on: BEFORE_BUILD), quantization of the text encoders and fp8 storage,
+after which the pipeline moves to the device (so the device never holds the weights before they
+are rewritten); layout and the attention implementation; VAE slicing and tiling; caches (hooks on
+the denoiser's blocks); placement and offload hooks after every change to the modules (and nothing
+moved to the GPU before them); compile last, so it traces the final modules, with its settings and
+inductor's process-wide ones. What ordering cannot fix is forbidden in CONFLICTS, each rule
+with its reason.
 """
 
 from __future__ import annotations
