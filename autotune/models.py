@@ -32,8 +32,9 @@ KINDS = ("pretrained", "tiny", "random")
 
 @dataclass(frozen=True)
 class _Family:
-    pipeline_class: str
-    denoiser: str
+    pipeline_class: str  # diffusers' pipeline class
+    denoiser: str  # "unet" or "transformer": the denoiser's attribute on the pipeline
+    denoiser_class: str  # diffusers' class of that denoiser
     workload: Workload  # the default: 1024x1024, 30 steps for SDXL
     # Height and width must be multiples of this, as the pipeline's check_inputs asks: the VAE's
     # 8x downsampling for UNet models; times the transformer's 2x2 patches for SD3 (an error) and
@@ -42,10 +43,10 @@ class _Family:
 
 
 FAMILIES = {
-    "sdxl": _Family("StableDiffusionXLPipeline", "unet", Workload(1024, 1024, 30), 8),
-    "sd15": _Family("StableDiffusionPipeline", "unet", Workload(512, 512, 50), 8),
-    "sd3": _Family("StableDiffusion3Pipeline", "transformer", Workload(1024, 1024, 28), 16),
-    "flux": _Family("FluxPipeline", "transformer", Workload(1024, 1024, 28), 16),
+    "sdxl": _Family("StableDiffusionXLPipeline", "unet", "UNet2DConditionModel", Workload(1024, 1024, 30), 8),
+    "sd15": _Family("StableDiffusionPipeline", "unet", "UNet2DConditionModel", Workload(512, 512, 50), 8),
+    "sd3": _Family("StableDiffusion3Pipeline", "transformer", "SD3Transformer2DModel", Workload(1024, 1024, 28), 16),
+    "flux": _Family("FluxPipeline", "transformer", "FluxTransformer2DModel", Workload(1024, 1024, 28), 16),
 }
 _FAMILY_OF_CLASS = {family.pipeline_class: name for name, family in FAMILIES.items()}
 

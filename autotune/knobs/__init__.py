@@ -5,13 +5,16 @@ into pipeline state; trial workers and production (`Profile.apply`) both call it
 (trials, `Profile.load_pipeline`) first holds the process settings of BEFORE_BUILD, then builds and
 calls it.
 
-Order matters (see ../shared/notes/knobs.md), and lives in APPLY_ORDER alone: dtype, the VAE swap
-and the process-global precision flags first; fuse QKV before anything rewrites the weights (a quantized or
-fp8 weight cannot be concatenated); then quantization or fp8 storage, after which the pipeline
-moves to the device (so the device never holds the weights before they are rewritten); layout and the attention
-implementation; caches (hooks on the denoiser's blocks); placement and offload hooks after every
-change to the modules (and nothing moved to the GPU before them); compile last, so it traces the
-final modules. What ordering cannot fix is forbidden in CONFLICTS, each rule with its reason.
+Order matters, and lives in APPLY_ORDER alone: dtype, the VAE swap and the process-global
+precision flags first; fuse QKV before anything rewrites the weights (a quantized or fp8 weight
+cannot be concatenated); then quantization of the denoiser, the host allocator's mmap threshold
+(held from before the build on: BEFORE_BUILD), quantization of the text encoders and fp8 storage,
+after which the pipeline moves to the device (so the device never holds the weights before they
+are rewritten); layout and the attention implementation; VAE slicing and tiling; caches (hooks on
+the denoiser's blocks); placement and offload hooks after every change to the modules (and nothing
+moved to the GPU before them); compile last, so it traces the final modules, with its settings and
+inductor's process-wide ones. What ordering cannot fix is forbidden in CONFLICTS, each rule
+with its reason.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import AutotuneError
-from .attention import ATTENTION
+from .attention import ATTENTION, SDPA_KERNELS
 from .base import Knob, Target
 from .cache import CACHE, CACHES
 from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
@@ -28,7 +31,7 @@ from .host import MALLOC_MMAP_THRESHOLD
 from .layout import CHANNELS_LAST, FUSE_QKV
 from .memory import HOOKED, OFFLOAD, PER_LAYER, PLACEMENT, STREAMED, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
-from .quantize import LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS
+from .quantize import FP8_FORMATS, LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS, TEXT_ENCODERS
 
 APPLY_ORDER: tuple[Knob, ...] = (
     DTYPE,
@@ -84,20 +87,19 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     ({"dtype": ["float32", "float16"], "quantize": ["float8dq", "int4wo"]},
      "torchao's float8 row-wise and int4 tinygemm quantization take bfloat16 weights only"),
     # both rewrite the denoiser's weights
-    ({"quantize": _QUANTIZED, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+    ({"quantize": _QUANTIZED, "layerwise_casting": list(FP8_FORMATS)},
      "quantization and fp8 layerwise casting both rewrite the denoiser's weights: choose one"),
     # fullgraph cannot trace through hooks
     ({"compile_fullgraph": True, "offload": HOOKED},
      "fullgraph=True cannot trace through offload hooks (graph breaks are errors)"),
     ({"compile_fullgraph": True, "cache": list(CACHES)},
      "fullgraph=True cannot trace through cache hooks (data-dependent skips are graph breaks)"),
-    ({"compile_fullgraph": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+    ({"compile_fullgraph": True, "layerwise_casting": list(FP8_FORMATS)},
      "fullgraph=True cannot trace through layerwise-casting hooks"),
     # A kernel choice is held around the denoiser's call (attention.py), outside its graph; a
     # whole-model fullgraph compile would have to trace it instead, and the graph kept SDPA's own
     # kernel there (the CPU's flash op for sdpa-math, seen with torch's profiler on tiny sd15 and Flux)
-    ({"compile_fullgraph": True, "compile_regional": False,
-      "attention": ["sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"]},
+    ({"compile_fullgraph": True, "compile_regional": False, "attention": list(SDPA_KERNELS)},
      "a whole-model fullgraph compile cannot hold an SDPA kernel choice: the compiled graph keeps SDPA's own kernel"),
     ({"compile": list(CUDA_GRAPH_MODES), "offload": HOOKED},
      "CUDA-graph compile modes replay fixed device addresses; offload moves the weights (diffusers#8879)"),
@@ -140,7 +142,7 @@ CONFLICTS: tuple[tuple[dict, str], ...] = (
     # freezing takes the weights as constants of the compiled graph, as they are when it compiles
     ({"compile_freezing": True, "offload": HOOKED},
      "freezing takes the weights as constants where they are when it compiles; offload hooks move them at each call"),
-    ({"compile_freezing": True, "layerwise_casting": ["fp8-e4m3", "fp8-e5m2"]},
+    ({"compile_freezing": True, "layerwise_casting": list(FP8_FORMATS)},
      "freezing takes the weights as constants; layerwise casting keeps them in fp8 and casts them at each call"),
     # Measured on this project's CPU (fullgraph: FailOnRecompileLimitHit), read in torch's dynamo
     # (parameters guarded by identity when freezing, pytorch#128355): every block compiled again.
@@ -296,7 +298,7 @@ def settings_found(pipe) -> list[str]:
         found.append("VAE slicing")
     if getattr(vae, "use_tiling", False):
         found.append("VAE tiling")
-    for name in ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+    for name in ("unet", "transformer", "vae", *TEXT_ENCODERS):
         model = getattr(pipe, name, None)
         if model is None or not hasattr(model, "modules"):
             continue

@@ -26,12 +26,14 @@ from .base import Knob, denoiser, package_missing
 
 # slice sizes in diffusers' terms: "auto" halves the heads per step, "max" runs one head at a time
 _SLICES = {"sliced": "auto", "sliced-max": "max"}
-_SDPA_KERNELS = {
+# autotune's names -> torch.nn.attention.SDPBackend members
+_SDPA_BACKENDS = {
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-math": "MATH",
 }
+SDPA_KERNELS = tuple(_SDPA_BACKENDS)  # the choices that hold SDPA to one kernel
 # autotune's names -> diffusers.models.attention_dispatch.AttentionBackendName values
 _DISPATCHER = {"flash-attn": "flash", "flash-attn-3": "_flash_3", "sage": "sage"}
 # Choices whose first call on a GPU builds what later calls reuse, so it is not a warm call
@@ -141,12 +143,12 @@ def _apply_attention(pipe, value, target, config):
     # "sdpa" is what diffusers installs by default (AttnProcessor2_0): on UNet models and SD3 nothing
     # to do, and leaving the processors alone keeps the fused ones that fuse_qkv may have installed.
     # Flux's processors go through the dispatcher: there "sdpa" is pinned, as every choice is.
-    if (value == "sdpa" or value in _SDPA_KERNELS) and target.family == "flux":
+    if (value == "sdpa" or value in SDPA_KERNELS) and target.family == "flux":
         _pin_backend(pipe.transformer, "native")  # native SDPA: what the sdpa_kernel context below acts on
     if value in _SLICES:
         pipe.enable_attention_slicing(_SLICES[value])
-    elif value in _SDPA_KERNELS:
-        _hold_sdpa_kernel(denoiser(pipe), _SDPA_KERNELS[value])
+    elif value in SDPA_KERNELS:
+        _hold_sdpa_kernel(denoiser(pipe), _SDPA_BACKENDS[value])
     elif value == "xformers":
         if target.family == "flux":
             _pin_backend(pipe.transformer, "xformers")
@@ -234,10 +236,10 @@ def _attention_unavailable(value, target):
         return None  # runs everywhere: the reference kernel
     if not target.is_cuda:
         return f"{value} needs a CUDA GPU"
-    if value in _SDPA_KERNELS:
-        if value == "sdpa-cudnn" and target.capability is not None and tuple(target.capability) < (8, 0):
+    if value in SDPA_KERNELS:
+        if value == "sdpa-cudnn" and target.capability_below((8, 0)):
             return f"cuDNN attention needs compute capability 8.0 or more ({target.capability} here)"
-        if value == "sdpa-flash" and target.capability is not None and tuple(target.capability) < (8, 0):
+        if value == "sdpa-flash" and target.capability_below((8, 0)):
             return f"SDPA's flash kernel needs compute capability 8.0 or more ({target.capability} here)"
         return None
     if value == "xformers":
@@ -246,14 +248,14 @@ def _attention_unavailable(value, target):
     if target.family != "flux":
         return (f"attention-backend dispatcher ({value}) is a silent no-op for {target.family} in diffusers "
                 "0.42.1 (effective on Flux only)")
-    if value == "flash-attn-3" and target.capability is not None and tuple(target.capability) < (9, 0):
+    if value == "flash-attn-3" and target.capability_below((9, 0)):
         return f"FlashAttention 3 needs a Hopper GPU (compute capability 9.0; {target.capability} here)"
     return _dispatcher_requirement(_DISPATCHER[value])
 
 
 ATTENTION = Knob(
     name="attention",
-    choices=("sdpa", *_SLICES, *_SDPA_KERNELS, "xformers", *_DISPATCHER),
+    choices=("sdpa", *_SLICES, *SDPA_KERNELS, "xformers", *_DISPATCHER),
     default="sdpa",
     help="attention implementation: SDPA (or one SDPA kernel), sliced, xFormers, flash-attn/sage (Flux)",
     apply=_apply_attention,

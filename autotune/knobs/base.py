@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..models import FAMILIES
 from ..workload import Workload
 
 
@@ -30,9 +31,14 @@ class Target:
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    def capability_below(self, least: tuple[int, int]) -> bool:
+        """Whether the GPU's compute capability is known and below `least`: False where it is not
+        known (a CPU, or a GPU whose capability was not read)."""
+        return self.capability is not None and tuple(self.capability) < least  # a worker reads it from JSON: a list
+
     @property
     def has_unet(self) -> bool:
-        return self.family in ("sdxl", "sd15")
+        return FAMILIES[self.family].denoiser == "unet"
 
     @property
     def steps(self) -> int | None:
@@ -134,9 +140,7 @@ def denoiser_class(family: str):
     questions ("does it have enable_cache?") are asked of the class, before any pipeline exists."""
     import diffusers
 
-    name = {"sdxl": "UNet2DConditionModel", "sd15": "UNet2DConditionModel",
-            "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[family]
-    return getattr(diffusers, name)
+    return getattr(diffusers, FAMILIES[family].denoiser_class)
 
 
 def denoiser(pipe):

@@ -18,6 +18,7 @@ import os
 import shutil
 
 from .base import Knob, ProcessSettings, denoiser, denoiser_class, nothing
+from .quantize import DYNAMIC_INT8
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # modes that capture CUDA graphs: the point of them is CUDA, and they cannot follow offload hooks
@@ -142,7 +143,7 @@ def _apply_inductor_flags(pipe, value, target, config):
     flags = dict(before)
     if value:
         flags.update(_GUIDE_FLAGS)
-        if config["quantize"] in ("int8dq", "int8dq-filtered"):
+        if config["quantize"] in DYNAMIC_INT8:
             flags.update(_INT8_FLAGS)
     for name, setting in flags.items():
         if name in before:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Knob, denoiser
+from .base import Knob
 
 
 # Per fused projection, the separate ones it replaces. diffusers keeps those beside it, to unfuse
@@ -77,4 +77,4 @@ CHANNELS_LAST = Knob(
 )
 
 
-__all__ = ["FUSE_QKV", "CHANNELS_LAST", "denoiser", "drop_unfused_projections"]
+__all__ = ["FUSE_QKV", "CHANNELS_LAST", "drop_unfused_projections"]

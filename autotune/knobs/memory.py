@@ -96,7 +96,8 @@ PER_LAYER = ["sequential", *(kind for kind, kwargs in _GROUPS.items() if kwargs[
 def places_on_device(config) -> bool:
     """Whether apply_config moves the whole pipeline to the target device itself (no offload
     hooks and no multi-GPU placement do it instead)."""
-    return config.get("offload", "none") == "none" and config.get("placement", "single") == "single"
+    return (config.get(OFFLOAD.name, OFFLOAD.default) == OFFLOAD.default
+            and config.get(PLACEMENT.name, PLACEMENT.default) == PLACEMENT.default)
 
 
 def _apply_offload(pipe, value, target, config):

@@ -36,6 +36,11 @@ def guide_filter(module, fqn: str = "") -> bool:
     )
 
 
+# The quantize choices that quantize activations to int8 at each call (all layers, or the guide's
+# filter): the inductor_flags knob adds inductor's int8 matmul fusions for them.
+DYNAMIC_INT8 = ("int8dq", "int8dq-filtered")
+
+
 def _torchao_config(value, on_host: bool = False):
     from torchao.quantization import quant_api as q  # here: torchao is heavy to import
 
@@ -45,7 +50,7 @@ def _torchao_config(value, on_host: bool = False):
     owned = {"set_inductor_config": False}
     if value == "int8wo":
         return q.Int8WeightOnlyConfig(**owned)
-    if value in ("int8dq", "int8dq-filtered"):
+    if value in DYNAMIC_INT8:
         return q.Int8DynamicActivationInt8WeightConfig(**owned)
     if value == "float8dq":
         # A row of zeros has a zero scale and quantizes to 0/0 = NaN (torchao 0.18 bounds the
@@ -95,7 +100,8 @@ def _quantize_unavailable(value, target):
         return None
     if value in _CUDA_ONLY:
         least, reason = _CUDA_ONLY[value]
-        if not target.is_cuda or target.capability is None or tuple(target.capability) < least:
+        # unlike the attention kernels, an unknown capability is taken as too low here
+        if not target.is_cuda or target.capability is None or target.capability_below(least):
             here = f"compute capability {target.capability}" if target.is_cuda else "a CPU"
             return f"{reason} ({here} here)"
     return package_missing("torchao")
@@ -103,7 +109,7 @@ def _quantize_unavailable(value, target):
 
 QUANTIZE = Knob(
     name="quantize",
-    choices=("none", "int8wo", "int8dq", "int8dq-filtered", "float8dq", "int4wo"),
+    choices=("none", "int8wo", *DYNAMIC_INT8, "float8dq", "int4wo"),
     default="none",
     help="torchao quantization of the denoiser's linear layers: int8 weight-only, dynamic int8 "
     "(all layers, or the SDXL guide's filter), dynamic float8 row-wise, int4 weight-only",
@@ -112,7 +118,8 @@ QUANTIZE = Knob(
 )
 
 
-_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# The pipeline attributes a text encoder may be under (SD1.5 has the first only, SD3 all three)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def _apply_quantize_text_encoders(pipe, value, target, config):
@@ -122,7 +129,7 @@ def _apply_quantize_text_encoders(pipe, value, target, config):
 
     # Flux's and SD3's T5-XXL is the largest component after the denoiser (4.7B parameters): its
     # weights in int8 free most of its memory; it runs once per prompt, so speed matters little.
-    for name in _TEXT_ENCODERS:
+    for name in TEXT_ENCODERS:
         encoder = getattr(pipe, name, None)
         if encoder is not None:
             quantize_(encoder, _torchao_config(value), device=_quantize_on(target, config))
@@ -138,7 +145,9 @@ QUANTIZE_TEXT_ENCODERS = Knob(
 )
 
 
-_FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+# layerwise_casting's storage formats, and the torch dtype of each
+_FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+FP8_FORMATS = tuple(_FP8_DTYPES)
 
 
 def _apply_layerwise_casting(pipe, value, target, config):
@@ -146,12 +155,12 @@ def _apply_layerwise_casting(pipe, value, target, config):
         return
     # Weights are stored in fp8 and upcast, layer by layer, to the config's dtype for compute.
     # diffusers skips the precision-critical layers (norms, embeddings) by its own patterns.
-    denoiser(pipe).enable_layerwise_casting(storage_dtype=_FP8[value], compute_dtype=pipe.dtype)
+    denoiser(pipe).enable_layerwise_casting(storage_dtype=_FP8_DTYPES[value], compute_dtype=pipe.dtype)
 
 
 LAYERWISE_CASTING = Knob(
     name="layerwise_casting",
-    choices=("none", *_FP8),
+    choices=("none", *FP8_FORMATS),
     default="none",
     help="store the denoiser's weights in fp8 and upcast each layer for compute (lossy, less memory)",
     apply=_apply_layerwise_casting,

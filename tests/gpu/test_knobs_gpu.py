@@ -83,10 +83,10 @@ def test_sdpa_kernel_holds_the_denoiser_to_one_kernel(kernel, family):
     pipe = run({"dtype": "bfloat16", "attention": kernel}, family)
     from torch.nn.attention import SDPBackend
 
-    from autotune.knobs.attention import _SDPA_KERNELS
+    from autotune.knobs.attention import _SDPA_BACKENDS
 
     model = pipe.unet if family == "sdxl" else pipe.transformer
-    assert model.forward.sdpa_kernel == getattr(SDPBackend, _SDPA_KERNELS[kernel])
+    assert model.forward.sdpa_kernel == getattr(SDPBackend, _SDPA_BACKENDS[kernel])
 
 
 @pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
