@@ -22,6 +22,7 @@ import functools
 import inspect
 import threading
 
+from ..errors import first_line
 from .base import Knob, denoiser, package_missing
 
 # slice sizes in diffusers' terms: "auto" halves the heads per step, "max" runs one head at a time
@@ -221,7 +222,7 @@ def _dispatcher_requirement(backend: str) -> str | None:
     try:
         _check_attention_backend_requirements(AttentionBackendName(backend))
     except (RuntimeError, ValueError, ImportError) as exc:
-        return str(exc).strip().splitlines()[0]
+        return first_line(exc)
     return None
 
 

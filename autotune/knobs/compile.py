@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from ..errors import first_line
 from .base import Knob, ProcessSettings, denoiser, denoiser_class, nothing
 from .quantize import DYNAMIC_INT8
 
@@ -58,7 +59,7 @@ def _no_cpp_compiler() -> str | None:
     try:
         get_cpp_compiler()
     except Exception as exc:  # InvalidCxxCompiler, or the search's own OSError
-        return f"torch.compile on the CPU needs a C++ compiler inductor finds ({str(exc).strip().splitlines()[0]})"
+        return f"torch.compile on the CPU needs a C++ compiler inductor finds ({first_line(exc)})"
     return None
 
 
