@@ -168,6 +168,21 @@ def test_a_model_folder_that_is_gone_changes_nothing_in_the_serving_process(tmp_
     assert torch.get_num_threads() == threads
 
 
+def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
+    """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
+    profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""
+    from autotune.knobs import Target, unrunnable
+
+    doc = document()
+    doc["best"]["config"]["vae_slicing"] = True
+    doc["pareto"][1] = doc["best"]
+    pipe = load_profile(profile_io.save(doc, tmp_path / "p.yaml")).load_pipeline()
+    assert pipe.vae.use_slicing
+    # what does not run is still named
+    assert unrunnable({"attention": "sdpa-flash"}, Target(device="cpu", family="sd15")) == [
+        "attention=sdpa-flash: sdpa-flash needs a CUDA GPU"]
+
+
 def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build(tmp_path, monkeypatch):
     """A profile's choices that cannot run on this machine (CUDA-only on a CPU, a package missing,
     one GPU for a balanced placement) failed inside diffusers, torchao or accelerate: a

@@ -23,7 +23,7 @@ import inspect
 import threading
 
 from ..errors import first_line
-from .base import Knob, denoiser, package_missing
+from .base import Knob, NoEffect, denoiser, package_missing
 
 # slice sizes in diffusers' terms: "auto" halves the heads per step, "max" runs one head at a time
 _SLICES = {"sliced": "auto", "sliced-max": "max"}
@@ -231,7 +231,7 @@ def _attention_unavailable(value, target):
         return None
     if value in _SLICES:
         if not target.has_unet:
-            return f"attention slicing is a no-op for {target.family} (only UNet models slice attention)"
+            return NoEffect(f"attention slicing is a no-op for {target.family} (only UNet models slice attention)")
         return None
     if value == "sdpa-math":
         return None  # runs everywhere: the reference kernel

@@ -117,6 +117,11 @@ class ProcessSettings:
         return self._before
 
 
+class NoEffect(str):
+    """A reason to drop a choice that runs but changes nothing on this target (VAE slicing at batch
+    size 1): the search spends no trial on it, and a profile that holds it still loads."""
+
+
 def package_missing(name: str) -> str | None:
     """A reason when an optional package is not importable (checked without importing it)."""
     if importlib.util.find_spec(name) is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .base import Knob
+from .base import Knob, NoEffect
 
 
 def _apply_vae_slicing(pipe, value, target, config):
@@ -18,7 +18,7 @@ def _vae_slicing_unavailable(value, target):
     # Not an error at batch size 1, but the same pipeline as without it: a trial spent on it
     # measures nothing new, and its difference from the baseline is noise.
     if value and target.batch_size == 1:
-        return "VAE slicing decodes a batch one image at a time: at batch size 1 it changes nothing"
+        return NoEffect("VAE slicing decodes a batch one image at a time: at batch size 1 it changes nothing")
     return None
 
 
