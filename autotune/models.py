@@ -303,30 +303,51 @@ def _tiny_denoiser_config(family: str) -> dict:
     return dict(getattr(build(family), FAMILIES[family].denoiser).config)
 
 
-def denoiser_config(spec: ModelSpec) -> dict | None:
-    """The architecture of `spec`'s denoiser (its config), read without its weights where this
-    machine has it: a random-weights model's shipped config, a pretrained one's in its folder or
-    the local cache, a tiny one's as built. None where it is not here (a profile carried to a
-    machine without the model): nothing to compare with."""
-    folder = FAMILIES[spec.family].denoiser  # "unet" or "transformer": its folder and attribute
-    if spec.kind == "tiny":
-        return dict(_tiny_denoiser_config(spec.family))
+def _pipeline_json(spec: ModelSpec, name: str) -> dict | None:
+    """A JSON file of `spec`'s pipeline folder ("model_index.json", "unet/config.json"), read
+    without its weights where this machine has it: a random-weights model's shipped one, a
+    pretrained one's in its folder or the local cache. None where it is not here, or no mapping."""
     try:
         if spec.kind == "random":
-            path = MODEL_CONFIGS / spec.name / folder / "config.json"
+            path = MODEL_CONFIGS / spec.name / name
         elif Path(spec.source).is_dir():
-            path = Path(spec.source) / folder / "config.json"
+            path = Path(spec.source) / name
         else:
             from huggingface_hub import try_to_load_from_cache
 
-            found = try_to_load_from_cache(spec.source, f"{folder}/config.json")
+            found = try_to_load_from_cache(spec.source, name)
             if not isinstance(found, str):
                 return None
             path = Path(found)
-        config = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return config if isinstance(config, dict) else None  # a file that is no config: nothing to compare
+    return data if isinstance(data, dict) else None
+
+
+def denoiser_config(spec: ModelSpec) -> dict | None:
+    """The architecture of `spec`'s denoiser (its config): a tiny one's as built, else as
+    _pipeline_json finds it. None where it is not here (a profile carried to a machine without
+    the model): nothing to compare with."""
+    if spec.kind == "tiny":
+        return dict(_tiny_denoiser_config(spec.family))
+    return _pipeline_json(spec, f"{FAMILIES[spec.family].denoiser}/config.json")
+
+
+# A tiny pipeline is built of the classes of its family's full-size one (test_models checks it).
+_FULL_SIZE_OF_FAMILY = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux-dev"}
+
+
+def component_classes(spec: ModelSpec) -> dict[str, str] | None:
+    """The class name of each component of `spec`'s pipeline that model_index.json names ("vae":
+    "AutoencoderKL"), schedulers and tokenizers included; None where its index is not here."""
+    if spec.kind == "tiny":
+        spec = replace(spec, name=_FULL_SIZE_OF_FAMILY[spec.family], kind="random")
+    index = _pipeline_json(spec, "model_index.json")
+    if index is None:
+        return None
+    return {name: value[1] for name, value in index.items()
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)}
 
 
 def build_pipeline(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

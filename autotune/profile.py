@@ -25,13 +25,14 @@ import torch
 import yaml
 
 from . import fingerprint
-from .errors import AutotuneError, ProfileError, os_reason, read_yaml, why_unwritable
+from .errors import AutotuneError, ProfileError, first_line, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
-from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, apply_config, build_configured, complete, conflict,
-                    settings_found, unrunnable)
+from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_found, apply_config, build_configured,
+                    complete, conflict, settings_found, unrunnable)
+from .knobs.attention import replaces_processors
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
-from .models import FAMILIES, ModelSpec, check_weights_here, denoiser_config, spec_problem
+from .models import FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, spec_problem
 from .sizes import fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
@@ -358,11 +359,15 @@ class Profile:
         if found:  # kept under the profile's, they would make another configuration than the one measured
             raise ProfileError(f"this pipeline holds settings of its own ({'; '.join(found)}): apply the profile to "
                                "a freshly loaded pipeline, or use profile.load_pipeline()")
+        self._check_additions(pipe, config)
         loaded_in = denoiser(pipe).dtype  # read before the config casts it
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
             raise ProfileError(str(exc)) from None
+        except Exception as exc:  # diffusers' or torch's, on a pipeline unlike the measured one: said in one line
+            raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}); the pipeline "
+                               "is left partly configured: load it again") from exc
         for knob in BEFORE_BUILD:
             if config[knob.name] != knob.default:
                 warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
@@ -379,6 +384,24 @@ class Profile:
         self._set_measured_threads(target)
         return pipe
 
+    def _check_additions(self, pipe, config: dict) -> None:
+        """What the user added to keep (LoRA, IP-Adapter, FreeU): refused where the configuration
+        would undo it in silence, else a warning that the trials measured the pipeline without it."""
+        added = additions_found(pipe) if not getattr(pipe, APPLIED, None) else []
+        lora = [a for a in added if "LoRA" in a]
+        if lora and config["fuse_qkv"]:
+            raise ProfileError(f"this pipeline holds {'; '.join(lora)}, and the profile fuses QKV, which would drop "
+                               "the LoRA's q/k/v layers: fuse the LoRA into the weights first (pipe.fuse_lora(), then "
+                               "pipe.unload_lora_weights()), or pick a point without fuse_qkv (budget_bytes)")
+        ip = [a for a in added if "IP-Adapter" in a]
+        if ip and replaces_processors(config, self.model.family):
+            raise ProfileError(f"this pipeline holds {'; '.join(ip)}, and the profile installs attention processors "
+                               "of its own (fused QKV, slicing or xFormers) in their place: pick a point that keeps "
+                               "SDPA's (budget_bytes), or tune with those knobs held (a --space file)")
+        if added:
+            warnings.warn(f"this pipeline holds {'; '.join(added)}: the profile's figures were measured without it",
+                          ProfileMismatchWarning, stacklevel=3)
+
     def _check_architecture(self, pipe) -> None:
         """Warn where the pipeline's denoiser is of another architecture than the profiled model's
         (the class alone was checked: an SD1.5 pipeline of another size passed in silence). Only
@@ -386,6 +409,16 @@ class Profile:
         version, which lacks newer keys, says nothing."""
         import json
 
+        import torch
+
+        # A component swapped for another class (a tiny VAE for SDXL's): other figures, and knobs
+        # made for the measured one may fail on it part-way (fused QKV on a tiny VAE).
+        for name, measured in (component_classes(self.model) or {}).items():
+            component = getattr(pipe, name, None)
+            if isinstance(component, torch.nn.Module) and type(component).__name__ != measured:
+                warnings.warn(f"this pipeline's {name} is a {type(component).__name__}, where {self.model.name}'s is a "
+                              f"{measured}: the profile's figures were measured with that one", ProfileMismatchWarning,
+                              stacklevel=3)
         expected = denoiser_config(self.model)
         if not expected:
             return

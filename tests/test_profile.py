@@ -288,6 +288,80 @@ def test_apply_warns_when_the_pipelines_denoiser_is_another_models(written):
         profile.apply(other)
 
 
+def _profile_with(path, **config):
+    doc = document()
+    doc["best"]["config"].update(config)
+    doc["pareto"][1] = doc["best"]
+    return load_profile(profile_io.save(doc, path))
+
+
+def test_a_swapped_vae_is_said_and_a_failure_part_way_is_one_line(tmp_path):
+    """A tiny VAE in place of the measured one took a fused-QKV profile: diffusers' raw ValueError
+    part-way, the UNet already cast and fused, and a second apply said the pipeline was configured
+    (helper 66)."""
+    from diffusers import AutoencoderTiny
+
+    from autotune.models import build_pipeline
+
+    profile = _profile_with(tmp_path / "p.yaml", fuse_qkv=True)
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    pipe.vae = AutoencoderTiny(encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                               num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1))
+    with pytest.warns(ProfileMismatchWarning, match="this pipeline's vae is a AutoencoderTiny, where tiny-sd15's is "
+                                                    "a AutoencoderKL: the profile's figures were measured with that one"):
+        with pytest.raises(ProfileError, match=r"^applying the profile failed \(ValueError: .*AutoencoderKL.*\); "
+                                               "the pipeline is left partly configured: load it again$"):
+            profile.apply(pipe)
+    with pytest.raises(ProfileError, match=r"configured already \(.*fuse_qkv=True.*, stopped part-way\)"):
+        profile.apply(pipe)
+
+
+def test_what_a_user_added_is_kept_or_refused_where_the_profile_would_undo_it(tmp_path):
+    """LoRA adapters, an IP-Adapter's processors and FreeU went unnoticed: fused QKV dropped a
+    LoRA's q/k/v layers and fused or sliced processors replaced an IP-Adapter's, in silence
+    (helper 66). A real LoRA (peft) and real IP-Adapter processors, on tiny-sd15."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
+    from peft import LoraConfig
+
+    from autotune.models import build_pipeline
+
+    def with_lora():
+        pipe = build_pipeline(resolve_model("tiny-sd15"))
+        pipe.unet.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k", "to_v"]), adapter_name="style")
+        return pipe
+
+    fused, sliced = _profile_with(tmp_path / "f.yaml", fuse_qkv=True), _profile_with(tmp_path / "s.yaml", attention="sliced")
+    with pytest.raises(ProfileError, match=r"holds unet LoRA adapters \(style\), and the profile fuses QKV, which would "
+                                           r"drop the LoRA's q/k/v layers: fuse the LoRA into the weights first"):
+        fused.apply(with_lora())
+    with pytest.warns(ProfileMismatchWarning, match=r"holds unet LoRA adapters \(style\): the profile's figures were "
+                                                    "measured without it"):
+        sliced.apply(with_lora())  # slicing keeps the LoRA layers: kept, and said
+
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    attn = pipe.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2
+    attn.set_processor(IPAdapterAttnProcessor2_0(hidden_size=attn.inner_dim, cross_attention_dim=attn.cross_attention_dim))
+    with pytest.raises(ProfileError, match="holds unet IP-Adapter attention processors, and the profile installs "
+                                           "attention processors of its own"):
+        sliced.apply(pipe)
+
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    pipe.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    with pytest.warns(ProfileMismatchWarning, match="holds unet FreeU: the profile's figures were measured without it"):
+        fused.apply(pipe)
+
+
+def test_a_pipeline_made_of_a_configured_ones_parts_is_refused(tmp_path):
+    """StableDiffusionPipeline(**configured.components) had no mark of its configuration: a
+    baseline profile took it, and SDPA stayed held to the first profile's kernel (helper 66)."""
+    from diffusers import StableDiffusionPipeline
+
+    configured = _profile_with(tmp_path / "m.yaml", attention="sdpa-math").load_pipeline()
+    again = StableDiffusionPipeline(**configured.components)
+    with pytest.raises(ProfileError, match=r"unet held to SDPA's MATH kernel \(by an autotune configuration\)"):
+        _profile_with(tmp_path / "b.yaml").apply(again)
+
+
 def test_apply_takes_a_fresh_pipeline_of_the_profiles_class(written):
     """apply() twice met a pipeline whose q, k, v layers fused QKV had dropped (a raw
     AttributeError), and a pipeline of another class, or no pipeline, was configured silently or

@@ -269,7 +269,8 @@ def apply_config(pipe, config: Config, target: Target):
     if getattr(pipe, APPLIED, None):
         raise AutotuneError(f"this pipeline is configured already ({getattr(pipe, APPLIED)}); apply a "
                             "configuration to a freshly loaded pipeline")
-    setattr(pipe, APPLIED, ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "the baseline")
+    described = ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "the baseline"
+    setattr(pipe, APPLIED, f"{described}, stopped part-way")  # until its last knob is applied
     if rewrites_weights(config) and pipe.device.type != "cpu":
         import warnings
 
@@ -283,6 +284,7 @@ def apply_config(pipe, config: Config, target: Target):
         # (quantize_ moves the modules it quantizes there one by one itself).
         if knob is _LAST_REWRITE and places_on_device(config):
             pipe.to(target.device)
+    setattr(pipe, APPLIED, described)
     return pipe
 
 
@@ -336,6 +338,27 @@ def settings_found(pipe) -> list[str]:
                                   or type(m.processor).__name__ == "AttnProcessor")})
         if processors:
             found.append(f"{name} attention processors ({', '.join(processors)})")
+        held = getattr(getattr(model, "forward", None), "sdpa_kernel", None)  # a pipeline made of a configured one's parts
+        if held is not None:
+            found.append(f"{name} held to SDPA's {held.name} kernel (by an autotune configuration)")
+    return found
+
+
+def additions_found(pipe) -> list[str]:
+    """What a user added to a pipeline to keep under a profile's configuration (LoRA adapters, an
+    IP-Adapter, FreeU), which the trials did not measure: a line each."""
+    found = []
+    for name in ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        model = getattr(pipe, name, None)
+        if model is None or not hasattr(model, "modules"):
+            continue
+        adapters = getattr(model, "peft_config", None)  # load_lora_weights (peft), not fused into the weights
+        if adapters:
+            found.append(f"{name} LoRA adapters ({', '.join(map(str, adapters))})")
+        if any("IPAdapter" in type(getattr(m, "processor", None)).__name__ for m in model.modules()):
+            found.append(f"{name} IP-Adapter attention processors")
+        if any(getattr(block, "b1", None) is not None for block in getattr(model, "up_blocks", [])):  # enable_freeu
+            found.append(f"{name} FreeU")
     return found
 
 

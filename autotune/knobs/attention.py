@@ -159,6 +159,13 @@ def _apply_attention(pipe, value, target, config):
         _pin_backend(pipe.transformer, _DISPATCHER[value])
 
 
+def replaces_processors(config: dict, family: str) -> bool:
+    """Whether `config` installs attention processors of its own (fused QKV's, slicing's,
+    xFormers' on a UNet model), in place of those the pipeline holds (an IP-Adapter's)."""
+    return bool(config.get("fuse_qkv")) or config.get("attention") in _SLICES or (
+        config.get("attention") == "xformers" and family != "flux")
+
+
 def _pin_backend(model, backend: str) -> None:
     """Name `backend` in each of the model's attention processors, and nothing else.
 
