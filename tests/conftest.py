@@ -31,3 +31,14 @@ def pytest_collection_modifyitems(config, items):
 def cli(tmp_path):
     """Run the CLI in a fresh folder (the default storage and profile land there)."""
     return lambda *args, **kw: run_cli(*args, cwd=kw.pop("cwd", tmp_path), **kw)
+
+
+@pytest.fixture(autouse=True)
+def a_serving_process_per_test():
+    """Each test stands for a process of its own: what an earlier test's configuration set of a
+    process-wide setting is forgotten (else applying another would warn, as in a serving process
+    that serves two profiles). Read only where the knobs were imported: no import here."""
+    yield
+    base = sys.modules.get("autotune.knobs.base")
+    for settings in getattr(getattr(base, "ProcessSettings", None), "instances", []):
+        settings.forget_configured()

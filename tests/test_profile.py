@@ -972,6 +972,23 @@ def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_
         profile.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
+def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_are_said(tmp_path):
+    """Inductor's flags and freezing, TF32 and cuDNN's benchmark are process-wide: a second
+    profile's apply set them for the first's pipeline too, in silence (helper 66)."""
+    from autotune.models import build_pipeline
+
+    first, second = (_profile_with(tmp_path / f"{n}.yaml", compile="default", inductor_flags=flags)
+                     for n, flags in (("a", True), ("b", False)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.simplefilter("ignore", ProfileMismatchWarning)
+        first.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+        first.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))  # the same settings: no word
+    with pytest.warns(UserWarning, match="inductor's flags: a pipeline configured earlier in this process was measured "
+                                         "with another setting; it is process-wide"):
+        second.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+
+
 def test_a_combination_a_rule_forbids_reads_but_is_not_built(written):
     """Edited into fuse_qkv + attention slicing (or measured before a rule was made), a profile's
     replay failed with "'NoneType' object is not callable". It still reads (show, report and

@@ -149,6 +149,7 @@ def _apply_inductor_flags(pipe, value, target, config):
     for name, setting in flags.items():
         if name in before:
             setattr(inductor, name, setting)
+    _INDUCTOR_FLAGS.configured("inductor's flags", flags)
 
 
 INDUCTOR_FLAGS = Knob(
@@ -181,6 +182,7 @@ def _apply_freezing(pipe, value, target, config):
         return  # never set by autotune in this process: nothing to put back
     before = _FREEZING.before()  # read before the first set: what False puts back
     _inductor_config().freezing = True if value else before["freezing"]
+    _FREEZING.configured("inductor's freezing", _inductor_config().freezing)
 
 
 COMPILE_FREEZING = Knob(

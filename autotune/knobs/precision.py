@@ -112,6 +112,7 @@ def _apply_tf32(pipe, value, target, config):
     # Convolutions run in TF32 by torch's default, in both choices (the float32 reference too):
     # True makes sure of it, False keeps what the process had.
     torch.backends.cudnn.allow_tf32 = True if value else before["cudnn_tf32"]
+    _TORCH_FLAGS.configured("TF32 (torch's float32 matmul precision)", (matmul, torch.backends.cudnn.allow_tf32))
 
 
 TF32 = Knob(
@@ -129,6 +130,7 @@ def _apply_cudnn_benchmark(pipe, value, target, config):
     # True: cuDNN times its convolution algorithms at the first call of each shape and keeps the
     # fastest (the warm-up pays for it).
     torch.backends.cudnn.benchmark = True if value else _TORCH_FLAGS.before()["cudnn_benchmark"]
+    _TORCH_FLAGS.configured("cuDNN benchmark", torch.backends.cudnn.benchmark)
 
 
 CUDNN_BENCHMARK = Knob(
