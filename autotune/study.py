@@ -484,10 +484,16 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
     return outcome
 
 
+# User attr of a study: the queued trials a run left when it stopped at its --trials (a
+# --warm-start given to a study that held its trials): a study that ended, not one half done.
+LEFT_PAST_TRIALS = "left_queued_past_trials"
+
+
 def unfinished(study: optuna.Study) -> str | None:
     """What a study has not finished, for an export made meanwhile (None when nothing): trials
-    running or queued, a confirmation running, and trials left running by a process of this
-    machine that has ended (the next run measures them again)."""
+    running or queued (but those a run left queued past its --trials), a confirmation running,
+    and trials left running by a process of this machine that has ended (the next run measures
+    them again)."""
     running = _running(study)
     left = [t for t in running if _holder_gone(t)]
     measuring = [t.number for t in running if t not in left and CONFIRMER not in t.user_attrs]
@@ -496,7 +502,9 @@ def unfinished(study: optuna.Study) -> str | None:
         parts.append(f"trial{'s' if len(measuring) > 1 else ''} {', '.join(map(str, measuring))} running")
     if any(CONFIRMER in t.user_attrs for t in running if t not in left):
         parts.append("a confirmation running")
-    queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    left_past = set(study.user_attrs.get(LEFT_PAST_TRIALS) or ())
+    queued = len([t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                  if t.number not in left_past])
     if queued:
         parts.append(f"{queued} queued")
     if left:
@@ -784,6 +792,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     study, created = open_study(req.storage, req.study_name, req.seed)
     _hold_the_request(study, req)
     if not created:  # a resume, or a worker joining: said before anything is measured
+        if study.user_attrs.get(LEFT_PAST_TRIALS):
+            study.set_user_attr(LEFT_PAST_TRIALS, [])  # this run may measure them: unfinished until it stops
         trials = study.get_trials(deepcopy=False)
         kept = len(_measured(trials))
         on_step(f"study {req.study_name} exists in this storage: " + (
@@ -1093,6 +1103,8 @@ def tune(
         settled = set(done) | ruled_out
         reason = _why_stop(req, outcome, len(done), len(settled), n_configs, deadline, unmeasured_in_a_row)
         if reason:
+            if len(done) >= req.trials:  # what stays queued past --trials is left, not unfinished
+                study.set_user_attr(LEFT_PAST_TRIALS, [t.number for t in outcome.trials if t.state == TrialState.WAITING])
             break
         if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it

@@ -1505,3 +1505,28 @@ def test_a_cpu_trial_stopped_holding_more_than_the_budget_less_its_margin_cannot
     result = measure(worker.trial_request(spec, baseline(), spec.default_workload, "cpu"), tmp_path / "t", lambda: None)
     assert worker.ran_out_of_budgeted_memory(result) and not worker.machine_was_short(result), result
     assert result["peak_memory_bytes"] > 1
+
+
+def test_configs_left_queued_past_trials_do_not_make_the_study_unfinished(tmp_path):
+    import optuna
+
+    """A run that stopped at its --trials with configs queued (a --warm-start given to a study
+    holding its trials) said so; export and report then called the study unfinished and told to
+    run the command again, which measured nothing (helper 65). A run that resumes it makes them
+    its own again, until it stops."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace(SPACE)
+    measure, _ = fake_measure(lambda c: 1.0)
+    outcome = study.tune(request(space, tmp_path, trials=2, confirm_rounds=0, storage=storage,
+                                 warm_start=[{"dtype": "bfloat16", "fuse_qkv": True}, {"dtype": "float16"}]),
+                         measure=measure)
+    assert "queued config" in outcome.stop_reason and "not measured: raise --trials" in outcome.stop_reason
+    shared, _ = study.open_study(storage, "s")
+    left = len(shared.get_trials(states=(optuna.trial.TrialState.WAITING,)))
+    assert left  # queued, and left
+    assert study.unfinished(shared) is None
+    # a run with more --trials takes them up: unfinished while it runs
+    resumed = study.prepare(request(space, tmp_path, trials=4, confirm_rounds=0, storage=storage), measure=measure)
+    assert study.unfinished(resumed) == f"{left} queued"
