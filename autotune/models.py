@@ -334,6 +334,13 @@ def denoiser_config(spec: ModelSpec) -> dict | None:
     return _pipeline_json(spec, f"{FAMILIES[spec.family].denoiser}/config.json")
 
 
+def pipeline_class_here(spec: ModelSpec) -> str | None:
+    """The pipeline class `spec`'s model_index.json names where it is here (a folder replaced since
+    a profile was measured may hold another model), or None."""
+    name = (_pipeline_json(spec, "model_index.json") or {}).get("_class_name")
+    return name if isinstance(name, str) else None
+
+
 # A tiny pipeline is built of the classes of its family's full-size one (test_models checks it).
 _FULL_SIZE_OF_FAMILY = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux-dev"}
 

@@ -32,7 +32,8 @@ from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_
 from .knobs.attention import replaces_processors
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
-from .models import FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, spec_problem
+from .models import (FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, pipeline_class_here,
+                     spec_problem)
 from .sizes import fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
@@ -439,6 +440,10 @@ class Profile:
         # before the process-wide settings (threads, glibc's mmap threshold, which nothing puts
         # back): a model folder that is gone changed them for a load that never happened
         check_weights_here(self.model)
+        here = pipeline_class_here(self.model) if self.model.kind == "pretrained" else None
+        if here and here != self.model.pipeline_class:
+            raise ProfileError(f"{self.model.source} holds a {here} now, and this profile was measured on a "
+                               f"{self.model.pipeline_class}: tune it again for this model")
         self._set_measured_threads(target)
         return build_configured(self.model, config, target)
 

@@ -321,3 +321,18 @@ def test_random_sd15_builds_in_bfloat16_and_renders(offline):
     images = render(pipe, 64, 64, 1)
     assert images.shape == (1, 64, 64, 3)
     assert np.isfinite(images).all()
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd3", "flux"])
+def test_a_tiny_pipeline_is_made_of_the_classes_component_classes_names(family):
+    """Profile.apply warns where a component is of another class than component_classes says,
+    which for a tiny model reads its family's full-size index: the tiny builder must match it."""
+    import torch
+
+    from autotune.models import build_pipeline, component_classes
+
+    spec = resolve_model(f"tiny-{family}")
+    pipe = build_pipeline(spec)
+    expected = component_classes(spec)
+    modules = {name: type(c).__name__ for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert modules and all(expected[name] == cls for name, cls in modules.items()), (modules, expected)

@@ -168,6 +168,20 @@ def test_a_model_folder_that_is_gone_changes_nothing_in_the_serving_process(tmp_
     assert torch.get_num_threads() == threads
 
 
+def test_a_model_folder_that_holds_another_pipeline_now_is_refused(tmp_path):
+    """A SD1.5 profile whose folder was replaced by a SDXL pipeline loaded it without a word
+    (helper 66): the folder's model_index.json names its class, read before loading."""
+    from autotune.models import build_pipeline
+
+    folder = tmp_path / "model"
+    build_pipeline(resolve_model("tiny-sdxl")).save_pretrained(folder)
+    doc = document()
+    doc["model"] = {**doc["model"], "kind": "pretrained", "source": str(folder), "name": str(folder)}
+    with pytest.raises(ProfileError, match=f"^{re.escape(str(folder))} holds a StableDiffusionXLPipeline now, and this "
+                                           "profile was measured on a StableDiffusionPipeline: tune it again"):
+        load_profile(profile_io.save(doc, tmp_path / "p.yaml")).load_pipeline()
+
+
 def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
     """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
     profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""
