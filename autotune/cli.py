@@ -343,9 +343,11 @@ def terminate_as_interrupt() -> None:
         # A real signal to the main thread, not _thread.interrupt_main: that one only flags the
         # interrupt, and a main thread blocked in a call (a sleep, a wait) slept on to its end.
         # Sent only while our handler holds it: at exit Python puts the default back, which kills.
-        if signal.getsignal(signal.SIGTERM) is interrupt:
+        # (any call's handler: the hook is installed once per process, the handler by each call)
+        if getattr(signal.getsignal(signal.SIGTERM), "autotune_interrupt", False):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
+    interrupt.autotune_interrupt = True
     unraisable.redelivers_interrupts = True
     if threading.current_thread() is threading.main_thread():
         if not getattr(sys.unraisablehook, "redelivers_interrupts", False):  # once per process

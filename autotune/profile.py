@@ -28,7 +28,7 @@ from . import fingerprint
 from .errors import AutotuneError, ProfileError, first_line, os_reason, read_yaml, why_unwritable
 from .choice import simplest_within_noise
 from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_found, apply_config, build_configured,
-                    complete, conflict, settings_found, unrunnable)
+                    complete, conflict, lora_on_fused_projections, settings_found, unrunnable)
 from .knobs.attention import replaces_processors
 from .knobs.base import denoiser
 from .knobs.precision import DTYPES
@@ -366,6 +366,8 @@ class Profile:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
             raise ProfileError(str(exc)) from None
+        except Warning:  # a warning raised as an error (-W error): the caller's to see as it is
+            raise
         except Exception as exc:  # diffusers' or torch's, on a pipeline unlike the measured one: said in one line
             raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}); the pipeline "
                                "is left partly configured: load it again") from exc
@@ -389,11 +391,11 @@ class Profile:
         """What the user added to keep (LoRA, IP-Adapter, FreeU): refused where the configuration
         would undo it in silence, else a warning that the trials measured the pipeline without it."""
         added = additions_found(pipe) if not getattr(pipe, APPLIED, None) else []
-        lora = [a for a in added if "LoRA" in a]
-        if lora and config["fuse_qkv"]:
-            raise ProfileError(f"this pipeline holds {'; '.join(lora)}, and the profile fuses QKV, which would drop "
-                               "the LoRA's q/k/v layers: fuse the LoRA into the weights first (pipe.fuse_lora(), then "
-                               "pipe.unload_lora_weights()), or pick a point without fuse_qkv (budget_bytes)")
+        on_qkv = lora_on_fused_projections(pipe)
+        if on_qkv and config["fuse_qkv"]:
+            raise ProfileError(f"this pipeline holds LoRA layers on the {', '.join(on_qkv)} q/k/v projections, which "
+                               "the profile's fused QKV would drop: fuse the LoRA into the weights first (pipe.fuse_lora(), "
+                               "then pipe.unload_lora_weights()), or pick a point without fuse_qkv (budget_bytes)")
         ip = [a for a in added if "IP-Adapter" in a]
         if ip and replaces_processors(config, self.model.family):
             raise ProfileError(f"this pipeline holds {'; '.join(ip)}, and the profile installs attention processors "

@@ -1115,7 +1115,10 @@ def tune(
         # A repair chain improves the best only at its last step, if at all, and its root ran
         # faster than all that fits: patience waits while one has a step to measure (repairs
         # take at most repair.SHARE of the trials).
-        if req.patience and stale >= req.patience and not repairing:
+        # nor while configs wait that were queued to be measured (an earlier front given with
+        # --warm-start to a resumed study): stopped before them, each rerun measured nothing
+        waiting = any(t.state == TrialState.WAITING for t in outcome.trials)
+        if req.patience and stale >= req.patience and not repairing and not waiting:
             reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
             break
 

@@ -345,9 +345,14 @@ def test_what_a_user_added_is_kept_or_refused_where_the_profile_would_undo_it(tm
         return pipe
 
     fused, sliced = _profile_with(tmp_path / "f.yaml", fuse_qkv=True), _profile_with(tmp_path / "s.yaml", attention="sliced")
-    with pytest.raises(ProfileError, match=r"holds unet LoRA adapters \(style\), and the profile fuses QKV, which would "
-                                           r"drop the LoRA's q/k/v layers: fuse the LoRA into the weights first"):
+    with pytest.raises(ProfileError, match=r"holds LoRA layers on the unet q/k/v projections, which the profile's "
+                                           r"fused QKV would drop: fuse the LoRA into the weights first"):
         fused.apply(with_lora())
+    # a LoRA on other layers keeps them under fused QKV: taken, and said (helper 69)
+    elsewhere = build_pipeline(resolve_model("tiny-sd15"))
+    elsewhere.unet.add_adapter(LoraConfig(r=2, target_modules=["proj_in", "proj_out"]), adapter_name="edges")
+    with pytest.warns(ProfileMismatchWarning, match=r"holds unet LoRA adapters \(edges\): the profile's figures"):
+        fused.apply(elsewhere)
     with pytest.warns(ProfileMismatchWarning, match=r"holds unet LoRA adapters \(style\): the profile's figures were "
                                                     "measured without it"):
         sliced.apply(with_lora())  # slicing keeps the LoRA layers: kept, and said
@@ -358,6 +363,11 @@ def test_what_a_user_added_is_kept_or_refused_where_the_profile_would_undo_it(tm
     with pytest.raises(ProfileError, match="holds unet IP-Adapter attention processors, and the profile installs "
                                            "attention processors of its own"):
         sliced.apply(pipe)
+
+    # xFormers keeps an IP-Adapter's processors (diffusers converts them); slicing a transformer's is a no-op
+    from autotune.knobs.attention import replaces_processors
+    assert not replaces_processors({"attention": "xformers"}, "sdxl")
+    assert not replaces_processors({"attention": "sliced"}, "flux") and replaces_processors({"attention": "sliced"}, "sd15")
 
     pipe = build_pipeline(resolve_model("tiny-sd15"))
     pipe.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
@@ -993,14 +1003,26 @@ def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_a
 
     first, second = (_profile_with(tmp_path / f"{n}.yaml", compile="default", inductor_flags=flags)
                      for n, flags in (("a", True), ("b", False)))
+    said = ".*configured earlier in this process"
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        warnings.simplefilter("ignore", ProfileMismatchWarning)
+        warnings.filterwarnings("error", message=said)
         first.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
         first.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))  # the same settings: no word
     with pytest.warns(UserWarning, match="inductor's flags: a pipeline configured earlier in this process was measured "
                                          "with another setting; it is process-wide"):
         second.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+
+
+def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing(tmp_path):
+    """Left at their defaults in an untouched process, freezing and the flags returned before
+    being recorded: a second profile that set them warned of nothing (helper 69)."""
+    from autotune.models import build_pipeline
+
+    plain = _profile_with(tmp_path / "a.yaml", compile="default")
+    frozen = _profile_with(tmp_path / "b.yaml", compile="default", compile_freezing=True)
+    plain.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match="inductor's freezing: a pipeline configured earlier in this process"):
+        frozen.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
 def test_a_combination_a_rule_forbids_reads_but_is_not_built(written):

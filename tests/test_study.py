@@ -1508,8 +1508,6 @@ def test_a_cpu_trial_stopped_holding_more_than_the_budget_less_its_margin_cannot
 
 
 def test_configs_left_queued_past_trials_do_not_make_the_study_unfinished(tmp_path):
-    import optuna
-
     """A run that stopped at its --trials with configs queued (a --warm-start given to a study
     holding its trials) said so; export and report then called the study unfinished and told to
     run the command again, which measured nothing (helper 65). A run that resumes it makes them
@@ -1530,3 +1528,20 @@ def test_configs_left_queued_past_trials_do_not_make_the_study_unfinished(tmp_pa
     # a run with more --trials takes them up: unfinished while it runs
     resumed = study.prepare(request(space, tmp_path, trials=4, confirm_rounds=0, storage=storage), measure=measure)
     assert study.unfinished(resumed) == f"{left} queued"
+
+
+def test_patience_waits_for_configs_queued_by_a_warm_start(tmp_path):
+    """A study stopped by --patience, resumed with --warm-start, stopped on patience again before
+    the queued config: it was never measured, and every rerun said the study was unfinished
+    (helper 69)."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace(SPACE)
+    measure, measured = fake_measure(lambda c: 1.0)  # nothing ever improves
+    study.tune(request(space, tmp_path, trials=12, patience=2, confirm_rounds=0, storage=storage), measure=measure)
+    wanted = {"dtype": "float16", "fuse_qkv": True, "channels_last": True}
+    assert {**baseline(), **wanted} not in measured
+    study.tune(request(space, tmp_path, trials=12, patience=2, confirm_rounds=0, storage=storage,
+                       warm_start=[wanted]), measure=measure)
+    assert {**baseline(), **wanted} in measured
+    shared, _ = study.open_study(storage, "s")
+    assert study.unfinished(shared) is None

@@ -344,6 +344,15 @@ def settings_found(pipe) -> list[str]:
     return found
 
 
+def lora_on_fused_projections(pipe) -> list[str]:
+    """The models whose q/k/v projections (those fuse_qkv fuses: the denoiser's and the VAE's)
+    carry LoRA layers not fused into their weights (peft's lora_A)."""
+    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+    return [name for name in ("unet", "transformer", "vae")
+            if hasattr(model := getattr(pipe, name, None), "named_modules")
+            and any(path.rsplit(".", 1)[-1] in names and hasattr(m, "lora_A") for path, m in model.named_modules())]
+
+
 def additions_found(pipe) -> list[str]:
     """What a user added to a pipeline to keep under a profile's configuration (LoRA adapters, an
     IP-Adapter, FreeU), which the trials did not measure: a line each."""

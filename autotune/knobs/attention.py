@@ -23,6 +23,7 @@ import inspect
 import threading
 
 from ..errors import first_line
+from ..models import FAMILIES
 from .base import Knob, NoEffect, denoiser, package_missing
 
 # slice sizes in diffusers' terms: "auto" halves the heads per step, "max" runs one head at a time
@@ -160,10 +161,10 @@ def _apply_attention(pipe, value, target, config):
 
 
 def replaces_processors(config: dict, family: str) -> bool:
-    """Whether `config` installs attention processors of its own (fused QKV's, slicing's,
-    xFormers' on a UNet model), in place of those the pipeline holds (an IP-Adapter's)."""
-    return bool(config.get("fuse_qkv")) or config.get("attention") in _SLICES or (
-        config.get("attention") == "xformers" and family != "flux")
+    """Whether `config` installs attention processors of its own in place of those the pipeline
+    holds (an IP-Adapter's): fused QKV's, and slicing's on a UNet model (a no-op elsewhere).
+    xFormers keeps an IP-Adapter's (diffusers converts them to their xFormers twins)."""
+    return bool(config.get("fuse_qkv")) or (config.get("attention") in _SLICES and FAMILIES[family].denoiser == "unet")
 
 
 def _pin_backend(model, backend: str) -> None:

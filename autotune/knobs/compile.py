@@ -137,6 +137,8 @@ _INDUCTOR_FLAGS = ProcessSettings(_read_inductor_flags)
 
 
 def _apply_inductor_flags(pipe, value, target, config):
+    # the choice, recorded before the early return: a later configuration that sets them otherwise warns
+    _INDUCTOR_FLAGS.configured("inductor's flags", (bool(value), bool(value) and config["quantize"] in DYNAMIC_INT8))
     if not value and not _INDUCTOR_FLAGS.touched:
         return  # none set by autotune in this process: nothing to put back (inductor not imported)
     inductor = _inductor_config()
@@ -149,7 +151,6 @@ def _apply_inductor_flags(pipe, value, target, config):
     for name, setting in flags.items():
         if name in before:
             setattr(inductor, name, setting)
-    _INDUCTOR_FLAGS.configured("inductor's flags", flags)
 
 
 INDUCTOR_FLAGS = Knob(
@@ -178,11 +179,11 @@ _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})
 
 
 def _apply_freezing(pipe, value, target, config):
+    _FREEZING.configured("inductor's freezing", bool(value))  # before the early return, as the flags' choice
     if not value and not _FREEZING.touched:
         return  # never set by autotune in this process: nothing to put back
     before = _FREEZING.before()  # read before the first set: what False puts back
     _inductor_config().freezing = True if value else before["freezing"]
-    _FREEZING.configured("inductor's freezing", _inductor_config().freezing)
 
 
 COMPILE_FREEZING = Knob(
