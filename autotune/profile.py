@@ -362,15 +362,17 @@ class Profile:
                                "a freshly loaded pipeline, or use profile.load_pipeline()")
         self._check_additions(pipe, config)
         loaded_in = denoiser(pipe).dtype  # read before the config casts it
+        partly = "; the pipeline is left partly configured: load it again"
+        marked_before = getattr(pipe, APPLIED, None)
         try:
             pipe = apply_config(pipe, config, target)
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
-            raise ProfileError(str(exc)) from None
+            # marked by this call (apply_config marks a pipeline as it begins): stopped part-way
+            raise ProfileError(f"{exc}{partly if getattr(pipe, APPLIED, None) and not marked_before else ''}") from None
         except Warning:  # a warning raised as an error (-W error): the caller's to see as it is
             raise
         except Exception as exc:  # diffusers' or torch's, on a pipeline unlike the measured one: said in one line
-            raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}); the pipeline "
-                               "is left partly configured: load it again") from exc
+            raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}){partly}") from exc
         for knob in BEFORE_BUILD:
             if config[knob.name] != knob.default:
                 warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "

@@ -326,8 +326,24 @@ def test_a_swapped_vae_is_said_and_a_failure_part_way_is_one_line(tmp_path):
         with pytest.raises(ProfileError, match=r"^applying the profile failed \(ValueError: .*AutoencoderKL.*\); "
                                                "the pipeline is left partly configured: load it again$"):
             profile.apply(pipe)
-    with pytest.raises(ProfileError, match=r"configured already \(.*fuse_qkv=True.*, stopped part-way\)"):
+    with pytest.raises(ProfileError, match=r"configured already \(.*fuse_qkv=True.*, stopped part-way\); apply a "
+                                           r"configuration to a freshly loaded pipeline$"):
         profile.apply(pipe)
+    # autotune's own error part-way (a setting this machine refuses once begun) says it too
+    from autotune.knobs import CATALOGUE
+
+    def refused(pipe, value, target, config):
+        raise AutotuneError("channels_last=True cannot be held here")
+
+    fresh = build_pipeline(resolve_model("tiny-sd15"))
+    knob = CATALOGUE["channels_last"]
+    original, knob_apply = knob, knob.apply
+    object.__setattr__(knob, "apply", refused)  # the one knob stands in for a refusal glibc cannot be made to give
+    try:
+        with pytest.raises(ProfileError, match="cannot be held here; the pipeline is left partly configured: load it again$"):
+            profile.apply(fresh)
+    finally:
+        object.__setattr__(original, "apply", knob_apply)
 
 
 def test_what_a_user_added_is_kept_or_refused_where_the_profile_would_undo_it(tmp_path):
