@@ -12,6 +12,7 @@ and validated, so a missing, corrupt, truncated or foreign file is one clear Pro
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import stat
@@ -77,6 +78,14 @@ def _point(record, budget_bytes: int) -> dict:
     }
 
 
+def recorded_config(config) -> dict | None:
+    """A model config as a profile records and compares it: through JSON (tuples as lists, as in
+    a file), without diffusers' bookkeeping keys (_class_name, _diffusers_version, _name_or_path)."""
+    if not config:
+        return None
+    return {k: v for k, v in json.loads(json.dumps(dict(config), default=str)).items() if not k.startswith("_")}
+
+
 def build(req, outcome, storage_label: str) -> dict:
     """The profile document for a finished study (`study.TuneRequest`, `study.StudyOutcome`).
     The machine is the one the study recorded (an export may run elsewhere), else this one."""
@@ -90,6 +99,9 @@ def build(req, outcome, storage_label: str) -> dict:
     return {
         "autotune_profile": FORMAT_VERSION,
         "model": req.spec.to_dict(),
+        # the denoiser's architecture as measured: serving compares a pipeline, or the model's files
+        # then, with it (a folder replaced since by another model of the same class)
+        "denoiser_config": recorded_config(denoiser_config(req.spec)),
         "workload": req.workload.to_dict(),
         "budget": {"memory_bytes": budget, "margin": req.margin, "margin_bytes": req.margin_bytes},
         "measurement": {
@@ -409,11 +421,8 @@ class Profile:
 
     def _check_architecture(self, pipe) -> None:
         """Warn where the pipeline's denoiser is of another architecture than the profiled model's
-        (the class alone was checked: an SD1.5 pipeline of another size passed in silence). Only
-        the settings both configs name are compared, so a config written by another diffusers
-        version, which lacks newer keys, says nothing."""
-        import json
-
+        (the class alone was checked: an SD1.5 pipeline of another size passed in silence), or a
+        component of another class."""
         import torch
 
         # A component swapped for another class (a tiny VAE for SDXL's): other figures, and knobs
@@ -424,17 +433,22 @@ class Profile:
                 warnings.warn(f"this pipeline's {name} is a {type(component).__name__}, where {self.model.name}'s is a "
                               f"{measured}: the profile's figures were measured with that one", ProfileMismatchWarning,
                               stacklevel=3)
-        expected = denoiser_config(self.model)
-        if not expected:
-            return
-        expected, here = (json.loads(json.dumps(dict(c), default=str))  # tuples as lists, as in a file
-                          for c in (expected, denoiser(pipe).config))
-        differ = [k for k in sorted(expected) if not k.startswith("_") and k in here and here[k] != expected[k]]
+        differ = self._architecture_differences(denoiser(pipe).config)
         if differ:
-            shown = "; ".join(f"{k} {here[k]!r:.40} here, {expected[k]!r:.40} profiled" for k in differ[:3])
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            warnings.warn(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({shown}{more}): "
+            warnings.warn(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({differ}): "
                           "the profile's figures were measured on another model", ProfileMismatchWarning, stacklevel=3)
+
+    def _architecture_differences(self, here) -> str:
+        """How the denoiser config `here` differs from the one measured: the profile's record of it
+        (profiles before 2026-11-25 hold none: then the model's files as they are here), in the
+        settings both name (a config written by another diffusers version lacks newer keys)."""
+        expected = self.data.get("denoiser_config") or denoiser_config(self.model)
+        if not expected:
+            return ""
+        expected, here = (recorded_config(c) for c in (expected, here))
+        differ = [k for k in sorted(expected) if k in here and here[k] != expected[k]]
+        shown = "; ".join(f"{k} {here[k]!r:.40} here, {expected[k]!r:.40} profiled" for k in differ[:3])
+        return shown + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
 
     def load_pipeline(self, device: str | None = None, budget_bytes: int | str | None = None):
         """Build the profiled model and apply the chosen configuration, as the trial did;
@@ -448,6 +462,11 @@ class Profile:
         if here and here != self.model.pipeline_class:
             raise ProfileError(f"{self.model.source} holds a {here} now, and this profile was measured on a "
                                f"{self.model.pipeline_class}: tune it again for this model")
+        now = denoiser_config(self.model) if "denoiser_config" in self.data else None  # its files, as they are here
+        differ = self._architecture_differences(now) if now else ""
+        if differ:  # a model folder replaced since the profile was measured
+            warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
+                          "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
         self._set_measured_threads(target)
         return build_configured(self.model, config, target)
 
@@ -548,7 +567,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
 # lacks them, wherever it was cut, but in the last line.
 REQUIRED_MAPPINGS = ("model", "workload", "budget", "machine", "software", "study")
 LAST_KEY = ("study", "choice")
-OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline")
+OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline", "denoiser_config")
 # Point figures that are formatted as numbers where present (show, verify, report).
 OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs_baseline")
 

@@ -182,6 +182,34 @@ def test_a_model_folder_that_holds_another_pipeline_now_is_refused(tmp_path):
         load_profile(profile_io.save(doc, tmp_path / "p.yaml")).load_pipeline()
 
 
+def test_the_denoiser_is_compared_with_the_one_measured_not_with_the_files_as_they_are_now(tmp_path):
+    """The architecture check read the model's files at serving time: a folder replaced since by
+    another model of the same class passed, and "profiled" named today's values (helper 66). A
+    profile records the denoiser's config as measured; serving compares the pipeline with it, and
+    load_pipeline the files it loads."""
+    from autotune.models import build_pipeline, denoiser_config
+
+    measured = {**denoiser_config(resolve_model("tiny-sd15")), "layers_per_block": 2}
+    doc = document()
+    doc["denoiser_config"] = profile_io.recorded_config(measured)
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    with pytest.warns(ProfileMismatchWarning, match=r"this pipeline's UNet2DConditionModel is not tiny-sd15's "
+                                                    r"\(layers_per_block 1 here, 2 profiled\)"):
+        profile.apply(build_pipeline(resolve_model("tiny-sd15")))
+
+    folder = tmp_path / "model"
+    build_pipeline(resolve_model("tiny-sd15")).save_pretrained(folder)  # the folder now: 1 layer per block
+    doc["model"] = {**doc["model"], "kind": "pretrained", "source": str(folder), "name": str(folder)}
+    with pytest.warns(ProfileMismatchWarning, match=r"'s unet is not the one profiled \(layers_per_block 1 here, 2 "
+                                                    r"profiled\): the profile's figures were measured on another model"):
+        load_profile(profile_io.save(doc, tmp_path / "q.yaml")).load_pipeline()
+    # as measured: nothing to say
+    doc["denoiser_config"] = profile_io.recorded_config(denoiser_config(resolve_model("tiny-sd15")))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(not the one profiled|is not .*'s \\()")
+        load_profile(profile_io.save(doc, tmp_path / "r.yaml")).load_pipeline()
+
+
 def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
     """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
     profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""
