@@ -225,6 +225,11 @@ class StudyOutcome:
     trials: list = field(default_factory=list, repr=False)  # every trial as read, for reports not to read again
 
     @property
+    def waiting(self) -> list:
+        """The trials queued and not yet taken (seeds, a warm start, repairs, configs queued again)."""
+        return [t for t in self.trials if t.state == TrialState.WAITING]
+
+    @property
     def smallest_peak_bytes(self) -> int | None:
         """The smallest peak of the configs that ran or ran out of memory (where an out-of-memory
         one stopped), of those nothing but the budget rules out: a trial that failed otherwise, at
@@ -1007,8 +1012,7 @@ def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome
     an earlier study's configs go first) and repairs hold less than their share of the trials.
     `outcome`: the study as just read (summarize). Whether a repair waits to be measured (queued
     now or before)."""
-    trials, records = outcome.trials, outcome.records
-    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    trials, records, waiting = outcome.trials, outcome.records, outcome.waiting
     if waiting or not req.memory_repair or repair.count(trials) >= req.trials * repair.SHARE:
         return any("repair" in t.user_attrs for t in waiting)
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
@@ -1045,7 +1049,8 @@ def _measured(trials: list[optuna.trial.FrozenTrial]) -> dict[str, int]:
     duplicate's): config key -> its trial number."""
     out: dict[str, int] = {}
     for frozen in trials:
-        if frozen.state == TrialState.COMPLETE and "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None:
+        measured_here = "result" in frozen.user_attrs and frozen.user_attrs.get("duplicate_of") is None
+        if frozen.state == TrialState.COMPLETE and measured_here:
             out.setdefault(frozen.user_attrs["config_key"], frozen.number)
     return out
 
@@ -1104,7 +1109,7 @@ def tune(
         reason = _why_stop(req, outcome, len(done), len(settled), n_configs, deadline, unmeasured_in_a_row)
         if reason:
             if len(done) >= req.trials:  # what stays queued past --trials is left, not unfinished
-                study.set_user_attr(LEFT_PAST_TRIALS, [t.number for t in outcome.trials if t.state == TrialState.WAITING])
+                study.set_user_attr(LEFT_PAST_TRIALS, [t.number for t in outcome.waiting])
             break
         if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
@@ -1114,11 +1119,10 @@ def tune(
         stale = trials_since_improvement(outcome.records)
         # A repair chain improves the best only at its last step, if at all, and its root ran
         # faster than all that fits: patience waits while one has a step to measure (repairs
-        # take at most repair.SHARE of the trials).
-        # nor while configs wait that were queued to be measured (an earlier front given with
-        # --warm-start to a resumed study): stopped before them, each rerun measured nothing
-        waiting = any(t.state == TrialState.WAITING for t in outcome.trials)
-        if req.patience and stale >= req.patience and not repairing and not waiting:
+        # take at most repair.SHARE of the trials), and while any config waits that was queued
+        # to be measured (a --warm-start given to a resumed study: stopped before it, each
+        # rerun measured nothing).
+        if req.patience and stale >= req.patience and not repairing and not outcome.waiting:
             reason = f"the best has not improved by 1% in the last {stale} trials (--patience {req.patience})"
             break
 
@@ -1190,7 +1194,7 @@ def _why_stop(req: TuneRequest, outcome: StudyOutcome, n_done: int, n_settled: i
     proposing what needs no measurement. (--patience is judged after a repair is queued.)"""
     if n_done >= req.trials:
         reason = f"{count(n_done, 'trial')} measured (--trials {req.trials})"
-        waiting = [t for t in outcome.trials if t.state == TrialState.WAITING]
+        waiting = outcome.waiting
         if waiting:  # a --warm-start given to a study that holds its trials: not lost, said
             reason += f"; {count(len(waiting), 'queued config')} not measured: raise --trials to measure them"
         return reason
