@@ -102,29 +102,26 @@ class ProcessSettings:
     state its own trial measured: False puts back what the process had before autotune first set
     any. Read then, not at import: a serving process may set its own after importing autotune."""
 
-    instances: list["ProcessSettings"] = []
+    # What the last configuration of this process set, by setting (`configured`); the tests clear
+    # it, each standing for a serving process of its own.
+    configured_states: dict[str, object] = {}
 
     def __init__(self, read: Callable[[], dict]):
         self._read = read
         self._before: dict | None = None
-        self._configured: dict[str, object] = {}  # what the last configuration set, by setting
-        ProcessSettings.instances.append(self)
 
-    def forget_configured(self) -> None:
-        """Forget what configurations set (the tests: each stands for a serving process)."""
-        self._configured.clear()
-
-    def configured(self, what: str, state) -> None:
+    @classmethod
+    def configured(cls, what: str, state) -> None:
         """Record the `state` a configuration set of the setting `what`, and warn where an earlier
         configuration in this process set it otherwise: process-wide, it now holds for that one's
         pipeline too (two profiles served by one process)."""
         import warnings
 
-        if what in self._configured and self._configured[what] != state:
+        if cls.configured_states.get(what, state) != state:
             warnings.warn(f"{what}: a pipeline configured earlier in this process was measured with another setting; "
                           "it is process-wide, so that pipeline now runs (and compiles, if it has not yet) under this "
                           "one's: serve the two from separate processes", stacklevel=4)
-        self._configured[what] = state
+        cls.configured_states[what] = state
 
     @property
     def touched(self) -> bool:
