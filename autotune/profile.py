@@ -404,7 +404,9 @@ class Profile:
     def _check_additions(self, pipe, config: dict) -> None:
         """What the user added to keep (LoRA, IP-Adapter, FreeU): refused where the configuration
         would undo it in silence, else a warning that the trials measured the pipeline without it."""
-        added = additions_found(pipe) if not getattr(pipe, APPLIED, None) else []
+        if getattr(pipe, APPLIED, None):
+            return  # configured already: apply_config refuses it, in its own words
+        added = additions_found(pipe)
         on_qkv = lora_on_fused_projections(pipe)
         if on_qkv and config["fuse_qkv"]:
             raise ProfileError(f"this pipeline holds LoRA layers on the {', '.join(on_qkv)} q/k/v projections, which "
@@ -413,7 +415,7 @@ class Profile:
         ip = [a for a in added if "IP-Adapter" in a]
         if ip and replaces_processors(config, self.model.family):
             raise ProfileError(f"this pipeline holds {'; '.join(ip)}, and the profile installs attention processors "
-                               "of its own (fused QKV, slicing or xFormers) in their place: pick a point that keeps "
+                               "of its own (fused QKV's or slicing's) in their place: pick a point that keeps "
                                "SDPA's (budget_bytes), or tune with those knobs held (a --space file)")
         if added:
             warnings.warn(f"this pipeline holds {'; '.join(added)}: the profile's figures were measured without it",
@@ -462,9 +464,11 @@ class Profile:
         if here and here != self.model.pipeline_class:
             raise ProfileError(f"{self.model.source} holds a {here} now, and this profile was measured on a "
                                f"{self.model.pipeline_class}: tune it again for this model")
-        now = denoiser_config(self.model) if "denoiser_config" in self.data else None  # its files, as they are here
+        # A pretrained model's files, as they are here (tiny and random-weight models are built
+        # from autotune's own configs): a folder replaced since the profile was measured
+        now = denoiser_config(self.model) if self.model.kind == "pretrained" and "denoiser_config" in self.data else None
         differ = self._architecture_differences(now) if now else ""
-        if differ:  # a model folder replaced since the profile was measured
+        if differ:
             warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
                           "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
         self._set_measured_threads(target)

@@ -357,7 +357,7 @@ def additions_found(pipe) -> list[str]:
     """What a user added to a pipeline to keep under a profile's configuration (LoRA adapters, an
     IP-Adapter, FreeU), which the trials did not measure: a line each."""
     found = []
-    for name in ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+    for name in ("unet", "transformer", *TEXT_ENCODERS):
         model = getattr(pipe, name, None)
         if model is None or not hasattr(model, "modules"):
             continue
