@@ -157,6 +157,8 @@ def test_a_model_folder_that_is_gone_changes_nothing_in_the_serving_process(tmp_
 
     from autotune.errors import ModelError
 
+    if fingerprint.usable_cores() < torch.get_num_threads() + 1:  # else the count set would be the one there
+        pytest.skip("needs a core more than this process's threads, to tell a thread count that was set")
     doc = document()
     doc["model"] = {**doc["model"], "kind": "pretrained", "source": str(tmp_path / "gone")}
     doc["measurement"] = {"threads": torch.get_num_threads() + 1}
