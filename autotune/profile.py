@@ -99,9 +99,11 @@ def build(req, outcome, storage_label: str) -> dict:
     return {
         "autotune_profile": FORMAT_VERSION,
         "model": req.spec.to_dict(),
-        # the denoiser's architecture as measured: serving compares a pipeline, or the model's files
-        # then, with it (a folder replaced since by another model of the same class)
-        "denoiser_config": recorded_config(denoiser_config(req.spec)),
+        # a pretrained denoiser's architecture as measured: serving compares a pipeline, or the
+        # model's files then, with it (a folder replaced since by another model of the same
+        # class). Tiny and random-weight models are built from autotune's own configs: none kept,
+        # and no tiny pipeline built in the parent to read one.
+        "denoiser_config": recorded_config(denoiser_config(req.spec)) if req.spec.kind == "pretrained" else None,
         "workload": req.workload.to_dict(),
         "budget": {"memory_bytes": budget, "margin": req.margin, "margin_bytes": req.margin_bytes},
         "measurement": {
@@ -464,9 +466,8 @@ class Profile:
         if here and here != self.model.pipeline_class:
             raise ProfileError(f"{self.model.source} holds a {here} now, and this profile was measured on a "
                                f"{self.model.pipeline_class}: tune it again for this model")
-        # A pretrained model's files, as they are here (tiny and random-weight models are built
-        # from autotune's own configs): a folder replaced since the profile was measured
-        now = denoiser_config(self.model) if self.model.kind == "pretrained" and "denoiser_config" in self.data else None
+        # a pretrained model's files as they are here: a folder replaced since the profile was measured
+        now = denoiser_config(self.model) if self.data.get("denoiser_config") else None
         differ = self._architecture_differences(now) if now else ""
         if differ:
             warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
