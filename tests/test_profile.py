@@ -421,6 +421,44 @@ def test_what_a_user_added_is_kept_or_refused_where_the_profile_would_undo_it(tm
         fused.apply(pipe)
 
 
+def test_a_lora_loaded_after_fused_qkv_on_the_dropped_projections_is_refused(tmp_path):
+    """A LoRA loaded after a fused-QKV apply lost its self-attention q/k/v and cross-attention k/v
+    layers in silence (peft skips a target it does not find): diffusers said nothing and the LoRA
+    changed only the layers left. A real LoRA saved by diffusers and loaded with load_lora_weights."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from autotune.models import build_pipeline
+
+    source = build_pipeline(resolve_model("tiny-sd15"))
+    source.unet.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                       init_lora_weights=False), adapter_name="style")
+    StableDiffusionPipeline.save_lora_weights(tmp_path / "lora", unet_lora_layers=get_peft_model_state_dict(
+        source.unet, adapter_name="style"))
+
+    def image(pipe):
+        return pipe("a", num_inference_steps=2, height=64, width=64, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    pipe = _profile_with(tmp_path / "f.yaml", fuse_qkv=True).apply(build_pipeline(resolve_model("tiny-sd15")))
+    before = image(pipe)
+    with pytest.raises(AutotuneError, match=r"^LoRA adapter 'default_0' has layers for the unet's q/k/v projections, "
+                                            r"which the profile's fused QKV dropped \(down_blocks\.0\.attentions\.0\."
+                                            r"transformer_blocks\.0\.attn1\.to_q and 34 more\): it was not loaded"):
+        pipe.load_lora_weights(tmp_path / "lora")
+    assert not getattr(pipe.unet, "peft_config", None)
+    assert torch.equal(image(pipe), before)  # nothing of it is left to change the images
+
+    # a LoRA on layers the fusion kept loads as before; one on nothing but dropped ones is peft's error, noted
+    pipe.unet.add_adapter(LoraConfig(r=2, target_modules=["proj_in"]), adapter_name="edges")
+    assert list(pipe.unet.peft_config) == ["edges"]
+    with pytest.raises(ValueError, match="not found in the base model") as raised:
+        pipe.unet.add_adapter(LoraConfig(r=2, target_modules=["to_k"]), adapter_name="keys")
+    assert "the profile's fused QKV dropped the unet's separate q/k/v projections" in raised.value.__notes__[0]
+
+
 def test_a_pipeline_made_of_a_configured_ones_parts_is_refused(tmp_path):
     """StableDiffusionPipeline(**configured.components) had no mark of its configuration: a
     baseline profile took it, and SDPA stayed held to the first profile's kernel (helper 66)."""
