@@ -37,8 +37,10 @@ def cli(tmp_path):
 def a_serving_process_per_test():
     """Each test stands for a process of its own: what an earlier test's configuration set of a
     process-wide setting is forgotten (else applying another would warn, as in a serving process
-    that serves two profiles). Read only where the knobs were imported: no import here."""
+    that serves two profiles), and so is the state the process had before (else a False choice
+    would put back what an earlier test left, not what this one found). Read only where the knobs
+    were imported: no import here."""
     yield
     base = sys.modules.get("autotune.knobs.base")
     if base is not None:
-        base.ProcessSettings.configured_states.clear()
+        base.ProcessSettings.forget()

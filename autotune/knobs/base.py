@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -105,10 +106,22 @@ class ProcessSettings:
     # What the last configuration of this process set, by setting (`configured`); the tests clear
     # it, each standing for a serving process of its own.
     configured_states: dict[str, object] = {}
+    _configuring = threading.Lock()
+    _instances: list[ProcessSettings] = []
 
     def __init__(self, read: Callable[[], dict]):
         self._read = read
         self._before: dict | None = None
+        ProcessSettings._instances.append(self)
+
+    @classmethod
+    def forget(cls) -> None:
+        """Forget what this process had before autotune set these, and what configurations set:
+        as in a fresh process (the tests stand for one each)."""
+        with cls._configuring:
+            cls.configured_states.clear()
+            for settings in cls._instances:
+                settings._before = None
 
     @classmethod
     def configured(cls, what: str, state) -> None:
@@ -117,11 +130,13 @@ class ProcessSettings:
         pipeline too (two profiles served by one process)."""
         import warnings
 
-        if cls.configured_states.get(what, state) != state:
+        with cls._configuring:  # two threads configuring at once would both read the state before
+            earlier = cls.configured_states.get(what, state)
+            cls.configured_states[what] = state
+        if earlier != state:
             warnings.warn(f"{what}: a pipeline configured earlier in this process was measured with another setting; "
                           "it is process-wide, so that pipeline now runs (and compiles, if it has not yet) under this "
                           "one's: serve the two from separate processes", stacklevel=4)
-        cls.configured_states[what] = state
 
     @property
     def touched(self) -> bool:
