@@ -393,8 +393,11 @@ def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkey
     class Lost(FakeNvml):
         NVMLError = NVMLError
 
+        lost = False
+
         def nvmlDeviceGetComputeRunningProcesses(self, handle):
             if self.i >= 3:
+                self.lost = True
                 raise NVMLError("GPU is lost")
             return super().nvmlDeviceGetComputeRunningProcesses(handle)
 
@@ -404,7 +407,8 @@ def test_nvml_that_stops_answering_after_listing_the_process_is_a_failure(monkey
     stub_torch_cuda(monkeypatch)
     tracker = MemoryTracker("cuda:0")
     deadline = time.monotonic() + 10
-    while fake.i < 3 and time.monotonic() < deadline:
+    # until the listing has failed: its third answer came before, and the poller may not have asked again yet
+    while not fake.lost and time.monotonic() < deadline:
         time.sleep(0.001)
     report = tracker.report()
     assert "GPU is lost" in report.nvml_failure and report.outside_torch_bytes is None
