@@ -22,8 +22,8 @@ from pathlib import Path
 
 from .measure import (MAX_TIMED_CALLS, MAX_WARMUP_CALLS, SPREAD_LIMIT, STEADY, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS,
                       timed_calls_cap)
-from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, default_storage, display_url, keeps_nothing,
-                       open_storage, storage_file)
+from .storages import (DEFAULT_WORKDIR, WORKDIR_HINT, check_file, check_opens, default_storage, display_url,
+                       export_command, keeps_nothing, open_storage, storage_file)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_NO_FIT, EXIT_INTERRUPTED = 1, 2, 3, 130
 # A study name is a folder's name (trials, compile cache): 255 bytes (NAME_MAX) on Linux and macOS,
@@ -535,7 +535,7 @@ def _tune(args, argv: list[str]) -> int:
             outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
         console.print_summary(out, outcome, budget, request.margin_bytes)
         console.print_share(out, outcome)
-        return _write_profile(out, request, outcome, output)
+        return _write_profile(out, request, outcome, output, default_named=not args.output)
     except KeyboardInterrupt:
         _print_interrupted(storage, study_name)
         return EXIT_INTERRUPTED
@@ -689,15 +689,17 @@ def _check_default_output_is_this_studys(output: Path, study_name: str,
     """The default name says model and budget only: a run of another workload, seed or threshold
     would silently replace the profile a server may be loading. Refused before the search, saying
     what differs where the profile's study is one of `earlier` (_earlier_studies)."""
-    from .errors import AutotuneError
+    from .errors import AutotuneError, first_line
     from .profile import load_profile
 
     if not output.is_file():
         return
     try:
         held = load_profile(output, check_fingerprint=False).data["study"]["name"]
-    except (AutotuneError, KeyError, TypeError):
-        return  # not a profile autotune can read: nothing a server could load is lost
+    except (AutotuneError, KeyError, TypeError) as exc:
+        # a profile of a newer autotune, or a file of the user's: not this run's to replace
+        raise AutotuneError(f"{output} holds a file this autotune does not read as a profile "
+                            f"({first_line(exc)}); name this run's profile with -o, or move the file away") from None
     if held != study_name:
         differences = (earlier or {}).get(held)
         why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
@@ -808,9 +810,10 @@ def _check_folder(folder: Path) -> None:
             "and its default storage; give --workdir a writable folder")
 
 
-def _write_profile(out, request, outcome, output: Path | None) -> int:
+def _write_profile(out, request, outcome, output: Path | None, default_named: bool) -> int:
     """Write the study's profile to `output` (None: --no-profile, which says how to export it),
-    or say why there is none."""
+    or say why there is none. A `default_named` output is checked again for another run's
+    profile: one may have been written there while this run searched."""
     from . import profile as profile_io
     from .errors import AutotuneError
 
@@ -819,15 +822,16 @@ def _write_profile(out, request, outcome, output: Path | None) -> int:
         print(f"autotune: error: {why}; no profile written", file=sys.stderr)
         return EXIT_NO_FIT if nothing_picked else EXIT_ERROR
     if output is None:
-        out.print(f"no profile written (--no-profile): autotune export --study-name {request.study_name} "
-                  f"--storage {display_url(request.storage)}")
+        out.print(f"no profile written (--no-profile): {export_command(request.study_name, request.storage)}")
         return 0
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:
+        if default_named:
+            _check_default_output_is_this_studys(output, request.study_name)
         path = profile_io.save(document, output)
-    except AutotuneError as exc:  # checked before the search, yet the file can go bad meanwhile
-        raise AutotuneError(f"{exc}; the measured trials are kept: autotune export --study-name "
-                            f"{request.study_name} --storage {display_url(request.storage)} -o OTHER.yaml") from None
+    except AutotuneError as exc:  # checked before the search, yet the file can change meanwhile
+        raise AutotuneError(f"{exc}; the measured trials are kept: "
+                            f"{export_command(request.study_name, request.storage)} -o OTHER.yaml") from None
     shown = shlex.quote(str(path))
     out.print(f"profile written: {path}  (autotune show {shown} reads it, autotune verify {shown} replays it; "
               f"serve it with autotune.load_profile({str(path)!r}))")
@@ -979,7 +983,7 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
     try:  # stopped while the profile is written: the same command writes it
         console.print_summary(out, outcome, request.budget_bytes, request.margin_bytes)
-        return _write_profile(out, request, outcome, output)
+        return _write_profile(out, request, outcome, output, default_named=not args.output)
     except KeyboardInterrupt:
         _print_interrupted(request.storage, request.study_name)
         return EXIT_INTERRUPTED
@@ -1035,7 +1039,7 @@ def _export(argv: list[str]) -> int:
         _check_not_the_storage(output, storage)
         check_writable(output)
         _check_default_output_is_this_studys(output, args.study_name)
-    return _write_profile(out, request, outcome, output)
+    return _write_profile(out, request, outcome, output, default_named=not args.output)
 
 
 # ---- profiles ------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from .console import RULED_OUT_SAID, config_changes, count
 from .errors import AutotuneError, os_reason
 from .sizes import parse_margin, smallest_budget
 from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_url, check_file, check_url,
-                       default_storage, display_url, is_masked, is_storage_url, open_storage,
+                       default_storage, display_url, export_command, is_masked, is_storage_url, open_storage,
                        storage_file, study_and_storage, with_storage_file)
 
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
@@ -334,8 +334,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
                 now = f"trial {picked} ({measured.best.latency_s:.3f} s)" if measured.best else "no configuration"
                 data.notes.append(f"{path.name}: its study picks {now} now, not the profile's trial {data.best.trial} "
                                   f"({data.best.latency_s:.3f} s): it was measured further after the profile was "
-                                  f"written; autotune export --study-name {study['name']} --storage "
-                                  f"{shlex.quote(display_url(url))} writes its pick")
+                                  f"written; {export_command(study['name'], url)} writes its pick")
             break
         else:
             data.notes.append(f"{path.name}: trials not shown ({'; '.join(failures)})")

@@ -9,10 +9,12 @@ retried.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
 import re
+import shlex
 import time
 import warnings
 from pathlib import Path
@@ -161,6 +163,35 @@ def _server_url(url: str):
 MASK = "***"  # SQLAlchemy's stand-in for a hidden password
 
 
+class RetryStaleTrial:
+    """Optuna's retry of a stale trial (RetryHeartbeatStaleTrialCallback), less the constraints
+    the dead attempt recorded before it was told: Optuna copies every system attribute into the
+    retry, and Trial.set_constraint keeps a value already set (with a warning), so the sampler
+    would judge the retry's feasibility by the dead attempt's measurement."""
+
+    _CONSTRAINT = "constraints:"  # the key prefix of Optuna's Trial.set_constraint
+
+    def __init__(self):
+        import optuna
+
+        self._retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
+
+    def __call__(self, study, trial) -> None:
+        fresh = copy.copy(trial)
+        fresh.system_attrs = {key: value for key, value in trial.system_attrs.items()
+                              if not key.startswith(self._CONSTRAINT)}
+        self._retry(study, fresh)
+
+
+def export_command(study_name: str, url: str) -> str:
+    """The `autotune export` line that writes a stored study's profile, quoted to be pasted into a
+    shell: study names may hold spaces or begin with a dash, which argparse reads as an option
+    unless joined to it with '='."""
+    name = shlex.quote(study_name)
+    return (f"autotune export --study-name{'=' if study_name.startswith('-') else ' '}{name} "
+            f"--storage {shlex.quote(display_url(url))}")
+
+
 def display_url(url: str) -> str:
     """`url` as autotune shows and records it: a database server's password masked (***), in the
     URL as SQLAlchemy renders it and in a `password` query argument, for profiles, reports and
@@ -204,7 +235,7 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
     instead of being created empty (for warm starts, export and reports).
 
     RDB storages (SQLite, PostgreSQL, MySQL) get heartbeats, so that a trial left RUNNING by a
-    killed parent is failed and retried (RetryHeartbeatStaleTrialCallback re-enqueues it)."""
+    killed parent is failed and retried (RetryStaleTrial re-enqueues it)."""
     import optuna
 
     if url == "memory":  # nothing kept: for replays and tests of the search itself
@@ -371,8 +402,7 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
                     url,
                     heartbeat_interval=HEARTBEAT_S,
                     grace_period=GRACE_S,
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                        max_retry=MAX_RETRIES),
+                    heartbeat_stale_trial_callback=RetryStaleTrial(),
                     # SQLite: a worker waits for another's write rather than fail at 5 s
                     engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
                 )

@@ -360,7 +360,7 @@ def _fail_stale_trials(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)  # RDB storages: heartbeats, then a retry
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=storages.MAX_RETRIES)
+        retry = storages.RetryStaleTrial()
         journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
         for frozen in _running(study):

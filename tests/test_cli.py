@@ -864,6 +864,66 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
     assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run"), line
 
 
+@pytest.mark.slow
+def test_a_profile_written_by_another_run_during_the_search_is_not_replaced(cli, tmp_path):
+    """The default name was checked before the search only: a run of another workload that wrote
+    its profile there meanwhile had it replaced without a word when this one ended (helper 70).
+    The other run's profile is put there while this run measures its first trial."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    assert cli(*CHEAP, "--vram", "2GB", "--height", "72", "-o", "tall.yaml").returncode == 0
+    run = subprocess.Popen([sys.executable, "-m", "autotune", *CHEAP, "--vram", "2GB"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("autotune-studies/trials/*64x64*/trial-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.copy(tmp_path / "tall.yaml", tmp_path / "tiny-sd15-2GB.yaml")
+    stdout, stderr = run.communicate(timeout=600)
+    assert run.returncode == 1, stdout + stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("autotune: error:")]
+    assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run"), line
+    assert "the measured trials are kept: autotune export --study-name " in line
+    assert (tmp_path / "tiny-sd15-2GB.yaml").read_text() == (tmp_path / "tall.yaml").read_text()
+
+
+def test_a_default_profile_path_holding_what_autotune_does_not_read_is_not_replaced(cli, tmp_path):
+    """A file at the default name that does not read as a profile (a newer autotune's, a user's
+    own) was replaced without a word: "nothing a server could load is lost". Refused before the
+    search."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    (tmp_path / "tiny-sd15-2GB.yaml").write_text("notes: mine\n")
+    line = one_line_error(proc := cli(*CHEAP, "--vram", "2GB"))
+    assert proc.returncode == 1
+    assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds a file this autotune does not read as a "
+                           "profile (") and "-o" in line, line
+    assert (tmp_path / "tiny-sd15-2GB.yaml").read_text() == "notes: mine\n"
+    assert not list(tmp_path.glob("autotune-studies/trials/*/trial-*"))
+
+
+def test_the_export_line_printed_for_a_study_pastes_into_a_shell(tmp_path):
+    """`autotune export --study-name a b --storage sqlite:///w s/studies.db` was printed unquoted:
+    pasted, it failed on its arguments (helper 70). Each line is pasted into bash here, and export
+    reads the name and storage whole: it answers that the study is not in that storage."""
+    import shlex
+    import subprocess
+    import sys
+
+    from autotune.storages import export_command
+
+    for name, folder in (("a b", "w s"), ("-x", "w"), ("a;echo pasted", "w")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        line = export_command(name, f"sqlite:///{tmp_path / folder / 'studies.db'}")
+        pasted = line.replace("autotune", f"{shlex.quote(sys.executable)} -m autotune", 1)
+        proc = subprocess.run(["bash", "-c", pasted], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert proc.stderr.startswith(f"autotune: error: no study {name!r}: storage sqlite:///"
+                                      f"{tmp_path / folder / 'studies.db'}: no such file"), (line, proc.stderr)
+        assert proc.returncode == 1 and "pasted" not in proc.stdout, (line, proc.stdout)
+
+
 # ---- verify ------------------------------------------------------------------------------------------
 def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None, model="tiny-sd15",
                   measurement=None):

@@ -351,6 +351,39 @@ def test_a_trial_whose_process_on_this_machine_has_ended_is_queued_again_at_once
     assert shared.trials[retry.number].state == TrialState.RUNNING
 
 
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_retried_trial_records_its_own_constraints(tmp_path, kind):
+    """A worker killed after recording a trial's constraints, before telling it, left them on the
+    trial; Optuna's retry copied them, and the retry's own were ignored (set_constraint keeps a
+    value set, with a warning that reached the console): the sampler judged the retry by the dead
+    attempt's peak (helper 70). The dead worker is a real process that has ended."""
+    import subprocess
+    import sys
+    import warnings
+
+    import optuna
+
+    storage = f"journal:{tmp_path / 'journal.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+    shared, _ = study.open_study(storage, "s")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended_start = storages._proc_stat(ended.pid)[0]
+    distribution = {"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])}
+    dead = shared.ask(distribution)
+    study._heartbeat(shared._storage, dead)
+    dead.set_user_attr(study.PROCESS, storages.this_process(dead.number) | {"pid": ended.pid, "start_ticks": ended_start})
+    study._record(dead, memory=0.5)  # over the budget, as measured by the attempt that died
+    ended.wait()
+    study._fail_stale_trials(shared)
+
+    retry = study._ask(shared)
+    assert shared.trials[retry.number].system_attrs["failed_trial"] == dead.number
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Optuna's "constraint value is ignored" warning
+        study._record(retry, memory=-0.25)
+    shared.tell(retry, 1.0)
+    assert shared.trials[retry.number].system_attrs["constraints:memory"] == -0.25
+
+
 def test_whether_a_trials_process_is_gone():
     import os
     import subprocess
