@@ -252,6 +252,8 @@ def open_storage(url: str, existing: bool = False) -> optuna.storages.BaseStorag
         return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         _check_journal(url, path)
+        if not existing:
+            _set_aside_a_cut_last_line(url, path)
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend
@@ -388,6 +390,51 @@ def _check_journal(url: str, path: Path) -> None:
             raise AutotuneError(f"storage {url}: {path} holds a line that is no journal record (line {number}: "
                                 "edited by hand, or corrupted); Optuna reads no further: mend or remove that "
                                 "line, or name another file")
+
+
+def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
+    """A journal whose last line lacks its newline ends in a record cut short (a worker killed
+    while writing it, a full disk). Optuna skips it when reading, but appends the next record
+    onto it, which makes one line that is no record in the middle of the file: every later read
+    fails. Under Optuna's own lock, so that no worker is writing, the cut part is moved to a file
+    beside the journal (nothing is deleted) and the journal ends at its last whole record."""
+    import os
+
+    from optuna.storages.journal import JournalFileSymlinkLock  # JournalFileBackend's default lock
+
+    def cut_at() -> int | None:
+        """Where the cut last line begins, or None where the file ends with a whole line."""
+        try:
+            with path.open("rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size == 0 or (f.seek(size - 1), f.read(1))[1] == b"\n":
+                    return None
+                block = min(size, 1 << 20)  # a record is far shorter than this
+                f.seek(size - block)
+                return size - block + f.read(block).rfind(b"\n") + 1
+        except FileNotFoundError:
+            return None
+
+    if cut_at() is None:
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        start = cut_at()  # again, under the lock: a worker may have finished its line meanwhile
+        if start is None:
+            return
+        aside = path.with_name(f"{path.name}.cut-{int(time.time())}")
+        with path.open("r+b") as f:
+            f.seek(start)
+            aside.write_bytes(f.read())
+            f.truncate(start)
+    except OSError as exc:
+        raise AutotuneError(f"storage {url}: {path} ends in a record cut short, which could not be set aside "
+                            f"({exc.strerror or exc})") from None
+    finally:
+        lock.release()
+    warnings.warn(f"storage {url}: its last record was cut short (a run stopped while writing it): set aside in "
+                  f"{aside.name}, so that the next record starts a line of its own")
 
 
 def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:

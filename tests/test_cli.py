@@ -311,6 +311,36 @@ def test_a_journal_with_a_line_that_is_no_record_names_the_line(cli, tmp_path):
     proc = cli("export", "--study-name", "s", "--storage", "journal:j.log")
     assert "no journal record" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "records no autotune request" in proc.stderr  # opened: Optuna's study, not autotune's
+    assert journal.read_text().endswith('"worker_id"')  # a reader changes nothing
+
+
+def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_path):
+    """A run killed while writing (or a full disk) leaves a last line without its newline. The
+    next run's first record was appended onto it: one line that is no record in the middle of
+    the file, a traceback, and the study unreadable from then on (helper 70). The cut part is
+    set aside under Optuna's lock, and the journal goes on at its last whole record."""
+    import optuna
+
+    from autotune import storages
+
+    journal = tmp_path / "j.log"
+    url = f"journal:{journal}"
+    study = optuna.create_study(storage=storages.open_storage(url), study_name="s")
+    study.enqueue_trial({"x": 1})
+    whole = journal.read_bytes()
+    cut = b'{"op_code":5,"worker_id":"a","trial_id":0,"state":1,"val'
+    journal.write_bytes(whole + cut)
+    with pytest.warns(UserWarning, match=r"its last record was cut short \(a run stopped while writing it\): set "
+                                         r"aside in j\.log\.cut-\d+"):
+        storage = storages.open_storage(url)
+    study = optuna.load_study(study_name="s", storage=storage)
+    study.tell(study.ask(), 1.0)
+    reread = optuna.load_study(study_name="s", storage=storages.open_storage(url, existing=True))
+    assert [t.state for t in reread.trials] == [optuna.trial.TrialState.COMPLETE]
+    assert journal.read_bytes().startswith(whole) and cut not in journal.read_bytes()
+    (aside,) = tmp_path.glob("j.log.cut-*")
+    assert aside.read_bytes() == cut  # nothing lost
+    assert not list(tmp_path.glob("j.log.lock"))  # Optuna's lock given back
 
 
 def test_a_storage_that_cannot_be_written_is_one_line(cli, tmp_path):
