@@ -5,6 +5,8 @@ import io
 import os
 import re
 import stat
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -757,6 +759,41 @@ def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
         assert str(exc.value) == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-fifo", "a-file", "to-fifo"]  # no temporary file left
     assert not (tmp_path / "a-fifo").is_file() and (tmp_path / "to-fifo").is_symlink()  # as they were
+
+
+# A disk that fills during the write, for real: the child's file size limit (RLIMIT_FSIZE) set
+# under the profile's size, with SIGXFSZ ignored so that the write fails with EFBIG instead of
+# the kernel killing the process. A child: the limit holds for every file this process writes.
+_WRITE_PAST_THE_SIZE_LIMIT = """
+import os, resource, signal, sys
+import yaml
+from autotune import ProfileError
+from autotune import profile
+
+path = sys.argv[1]
+with open(path + ".new") as f:
+    doc = yaml.safe_load(f)
+os.remove(path + ".new")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    profile.save(doc, path)
+except ProfileError as exc:
+    print(exc)
+"""
+
+
+def test_a_profile_cut_short_by_a_full_disk_is_one_line_and_leaves_the_old_one(tmp_path):
+    path = tmp_path / "p.yaml"
+    profile_io.save(document(), path.with_name("p.yaml.new"))
+    assert path.with_name("p.yaml.new").stat().st_size > 2048  # well past the 1 KiB limit
+    path.write_text("the profile as it was\n")
+    out = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_SIZE_LIMIT, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == f"profile {path}: cannot write it (File too large)\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]  # no temporary file left
+    assert path.read_text() == "the profile as it was\n"
 
 
 def test_a_profile_written_through_a_symlink_keeps_the_link(tmp_path):
