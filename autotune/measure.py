@@ -246,13 +246,15 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_call(fn, device: str):
-    """Run fn() once; return (seconds, result), with the device synchronized on both sides."""
+def timed_call(fn, device: str, clock=time.perf_counter):
+    """Run fn() once; return (seconds, result), with the device synchronized on both sides.
+    `clock`: what it is timed by, in seconds (a test's clock moves by what its scripted calls say,
+    so that a loaded machine cannot change what the timing loops decide)."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     result = fn()
     synchronize(device)
-    return time.perf_counter() - start, result
+    return clock() - start, result
 
 
 STEADY = 0.10  # two calls in a row within this of each other: warmed up
@@ -317,16 +319,17 @@ def timed_calls_cap(max_calls: int | None, repeats: int) -> int:
 
 
 def warm_up(call, device: str, min_calls: int = WARMUP_CALLS, max_calls: int = MAX_WARMUP_CALLS, steady: float = STEADY,
-            slow_above_s: float | None = None, first_warm_call: int | None = None):
+            slow_above_s: float | None = None, first_warm_call: int | None = None, clock=time.perf_counter):
     """Call until two calls in a row take times within `steady` of each other (compilation,
     cuDNN autotuning and allocator growth happen in the first calls), at least `min_calls` and at
     most `max_calls` times, or until two warm calls in a row take over `slow_above_s` (too slow
     to be worth a steady figure; `too_slow`), or the first warm call (index `first_warm_call`) far
-    over it (`far_slower_at_once`). Returns (seconds of each call, output of the first call)."""
+    over it (`far_slower_at_once`). Returns (seconds of each call, output of the first call);
+    `clock` times them (timed_call)."""
     times: list[float] = []
     first_output = None
     while len(times) < max(1, max_calls):
-        seconds, output = timed_call(call, device)
+        seconds, output = timed_call(call, device, clock)
         if not times:
             first_output = output
         times.append(seconds)
@@ -392,16 +395,17 @@ def timed_calls(
     min_calls: int = TIMED_CALLS,
     max_calls: int = MAX_TIMED_CALLS,
     spread_limit: float = SPREAD_LIMIT,
+    clock=time.perf_counter,
 ) -> dict:
     """Timed calls until the median is stable: the last `min_calls` calls lie within
     `spread_limit` of their median, or `max_calls` is reached. On a CPU, beside them, how many of
     the trial's cores other processes took meanwhile (`cores_taken_by_others`; on a GPU, host
-    neighbours matter less, and --gpus workers time side by side by design)."""
+    neighbours matter less, and --gpus workers time side by side by design). `clock`: timed_call's."""
     others = OtherCpuUse() if device == "cpu" else None
     latencies: list[float] = []
     window = max(1, min_calls)
     while True:
-        latencies.append(timed_call(call, device)[0])
+        latencies.append(timed_call(call, device, clock)[0])
         if len(latencies) < window:
             continue
         recent = summarize(latencies[-window:])

@@ -19,6 +19,14 @@ def is_torchao(tensor) -> bool:
     return type(tensor).__module__.startswith("torchao")
 
 
+def quantizes_activations(weight) -> bool:
+    """Whether a torchao int8 weight quantizes its layer's input to int8 at each call."""
+    from torchao.quantization import Int8Tensor
+
+    assert type(weight) is Int8Tensor, type(weight)
+    return weight.act_quant_kwargs is not None
+
+
 def test_baseline_is_float32_with_default_processors():
     pipe = build_tiny("sdxl", baseline())
     assert pipe.unet.dtype == torch.float32 and pipe.vae.dtype == torch.float32
@@ -39,8 +47,12 @@ def test_attention_slicing_installs_sliced_processors(choice, slice_size):
     pipe = build_tiny("sdxl", {"attention": choice})
     processors = list(pipe.unet.attn_processors.values())
     assert processors and all(isinstance(p, SlicedAttnProcessor) for p in processors)
-    if slice_size == "max":
-        assert all(p.slice_size == 1 for p in processors)
+    # diffusers' set_attention_slice: "auto" halves each layer's heads (two steps), "max" runs one
+    # head at a time. The tiny SDXL UNet has 12 and 24 heads, so the two differ in every layer.
+    layers = [m for m in pipe.unet.modules() if hasattr(m, "sliceable_head_dim") and hasattr(m, "processor")]
+    assert layers and all(m.sliceable_head_dim >= 4 for m in layers)
+    want = (lambda heads: heads // 2) if slice_size == "auto" else (lambda heads: 1)
+    assert [m.processor.slice_size for m in layers] == [want(m.sliceable_head_dim) for m in layers]
     assert finite(generate(pipe, "sdxl"))
 
 
@@ -183,6 +195,9 @@ def test_quantize_replaces_denoiser_linear_weights(choice):
     pipe = build_tiny("sdxl", {"quantize": choice})
     linears = [m for m in pipe.unet.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(is_torchao(m.weight) for m in linears)
+    # torchao 0.18 stores both as an Int8Tensor: what tells them apart is whether it quantizes the
+    # activations at each call (int8dq: per-row symmetric int8) or keeps them as they are (int8wo)
+    assert all(quantizes_activations(m.weight) == (choice == "int8dq") for m in linears)
     assert not any(is_torchao(p) for p in pipe.vae.parameters())
     assert finite(generate(pipe, "sdxl"))
 

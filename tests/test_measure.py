@@ -5,68 +5,90 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
-from autotune.measure import cut_short, far_slower_at_once, summarize, timed_calls, too_slow, warm_up
+from autotune.measure import cut_short, far_slower_at_once, summarize, timed_call, timed_calls, too_slow, warm_up
 
 
-def sleeper(durations):
-    """A call that takes the given durations in turn, then the last one forever."""
+def scripted(durations):
+    """A call that takes the given durations in turn, then the last one forever, on a clock of its
+    own (pass it as the timing loop's `clock`): what the loops decide depends on the durations
+    alone, not on how late a real sleep wakes on a loaded machine (a 0.1 s sleep can pass 0.2 s)."""
     it = iter(durations)
     last = [durations[-1]]
+    clock = types.SimpleNamespace(now=0.0)
 
     def call():
         last[0] = next(it, last[0])
-        time.sleep(last[0])
+        clock.now += last[0]
         return last[0]
 
-    return call
+    return call, lambda: clock.now
+
+
+def test_the_timing_loops_time_real_calls_by_default():
+    # a real sleep: it may overrun under load, never end early
+    seconds, said = timed_call(lambda: time.sleep(0.02) or "done", "cpu")
+    assert said == "done" and seconds >= 0.02
+    times, first = warm_up(lambda: time.sleep(0.02) or "first", "cpu", max_calls=1)
+    assert first == "first" and len(times) == 1 and times[0] >= 0.02
+    assert timed_calls(lambda: time.sleep(0.02), "cpu", min_calls=1, max_calls=1)["latency_s"] >= 0.02
 
 
 def test_warm_up_runs_until_two_calls_agree():
-    # A slow first call (compilation), a second still warming, then steady. Durations far apart
-    # and a loose `steady`: a sleep overshoots by milliseconds on a loaded machine (CI saw two
-    # 40 ms sleeps differ by more than 10%).
-    times, first = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", min_calls=1, max_calls=6, steady=0.5)
+    # A slow first call (compilation), a second still warming, then steady.
+    call, clock = scripted([0.8, 0.3, 0.1, 0.1])
+    times, first = warm_up(call, "cpu", min_calls=1, max_calls=6, clock=clock)
     assert first == 0.8
-    assert len(times) == 4
-    assert times[0] > times[-1]
+    assert times == pytest.approx([0.8, 0.3, 0.1, 0.1])
+    # within `steady` (10%) of each other: 0.1 then 0.105 agree, 0.1 then 0.115 do not
+    call, clock = scripted([0.8, 0.1, 0.105, 0.3])
+    assert len(warm_up(call, "cpu", max_calls=6, clock=clock)[0]) == 3
+    call, clock = scripted([0.8, 0.1, 0.115, 0.115])
+    assert len(warm_up(call, "cpu", max_calls=6, clock=clock)[0]) == 4
 
 
 def test_warm_up_stops_at_its_cap():
-    times, _ = warm_up(sleeper([0.01, 0.05, 0.01, 0.05, 0.01]), "cpu", max_calls=3)
+    call, clock = scripted([0.01, 0.05, 0.01, 0.05, 0.01])
+    times, _ = warm_up(call, "cpu", max_calls=3, clock=clock)
     assert len(times) == 3
 
 
 def test_warm_up_ends_after_two_warm_calls_over_the_slow_bound():
     # unsteady (0.3, 0.5, 0.3, ...), but its second and third calls are both over the bound
-    times, _ = warm_up(sleeper([0.8, 0.3, 0.5, 0.3, 0.5, 0.3]), "cpu", max_calls=6, steady=0.1, slow_above_s=0.2)
+    call, clock = scripted([0.8, 0.3, 0.5, 0.3, 0.5, 0.3])
+    times, _ = warm_up(call, "cpu", max_calls=6, steady=0.1, slow_above_s=0.2, clock=clock)
     assert len(times) == 3
     assert too_slow(times, 0.2, steady=0.1)
     # one slow warm call (a CUDA graph recorded in the second call) is not enough
-    times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.2)
+    call, clock = scripted([0.8, 0.3, 0.1, 0.1])
+    times, _ = warm_up(call, "cpu", max_calls=6, steady=0.5, slow_above_s=0.2, clock=clock)
     assert len(times) == 4 and not too_slow(times, 0.2, steady=0.5)
-    times, _ = warm_up(sleeper([0.8, 0.3, 0.1, 0.1]), "cpu", max_calls=6, steady=0.5, slow_above_s=0.5)
+    call, clock = scripted([0.8, 0.3, 0.1, 0.1])
+    times, _ = warm_up(call, "cpu", max_calls=6, steady=0.5, slow_above_s=0.5, clock=clock)
     assert len(times) == 4  # under the bound: warmed up until steady
 
 
 def test_the_first_warm_call_far_over_the_bound_ends_the_warm_up():
     # 0.8 s against a bound of 0.2 s: over 3x. Nothing compiled in it: the first call says it
-    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", max_calls=3, steady=0.5, slow_above_s=0.2,
-                       first_warm_call=0)
-    assert times == [pytest.approx(0.8, abs=0.1)] and far_slower_at_once(times, 0.2, 0)
+    call, clock = scripted([0.8, 0.8, 0.8])
+    times, _ = warm_up(call, "cpu", max_calls=3, steady=0.5, slow_above_s=0.2, first_warm_call=0, clock=clock)
+    assert times == pytest.approx([0.8]) and far_slower_at_once(times, 0.2, 0)
     # a first call that compiles is cold: the second says it (1.6 s cold, 0.8 s warm: not steady)
-    times, _ = warm_up(sleeper([1.6, 0.8, 0.8]), "cpu", max_calls=3, steady=0.1, slow_above_s=0.2,
-                       first_warm_call=1)
+    call, clock = scripted([1.6, 0.8, 0.8])
+    times, _ = warm_up(call, "cpu", max_calls=3, steady=0.1, slow_above_s=0.2, first_warm_call=1, clock=clock)
     assert len(times) == 2 and far_slower_at_once(times, 0.2, 1) and not far_slower_at_once(times[:1], 0.2, 1)
     # no call to rely on (CUDA graphs recorded in the calls after the first): two warm calls
-    times, _ = warm_up(sleeper([1.6, 0.8, 0.8]), "cpu", max_calls=3, steady=0.1, slow_above_s=0.2)
+    call, clock = scripted([1.6, 0.8, 0.8])
+    times, _ = warm_up(call, "cpu", max_calls=3, steady=0.1, slow_above_s=0.2, clock=clock)
     assert len(times) == 3
     # under 3x the bound, or no bound, or --warmup 2 where nothing is compiled: not by one call
     assert not far_slower_at_once([0.5], 0.2, 0) and not far_slower_at_once([0.8], None, 0)
-    times, _ = warm_up(sleeper([0.8, 0.8, 0.8]), "cpu", min_calls=2, max_calls=3, steady=0.5, slow_above_s=0.2,
-                       first_warm_call=0)
+    call, clock = scripted([0.8, 0.8, 0.8])
+    times, _ = warm_up(call, "cpu", min_calls=2, max_calls=3, steady=0.5, slow_above_s=0.2, first_warm_call=0,
+                       clock=clock)
     assert len(times) == 2
 
 
@@ -96,17 +118,18 @@ def test_two_slow_calls_that_agree_from_the_start_are_warm_already():
 
 
 def test_timed_calls_stop_once_the_window_agrees():
-    result = timed_calls(sleeper([0.05, 0.3, 0.1, 0.1, 0.1]), "cpu", min_calls=3, max_calls=10,
-                         spread_limit=0.5)
+    call, clock = scripted([0.05, 0.3, 0.1, 0.1, 0.1])
+    result = timed_calls(call, "cpu", min_calls=3, max_calls=10, spread_limit=0.5, clock=clock)
     assert result["stable"]
-    assert 3 <= result["calls"] < 10
-    assert abs(result["latency_s"] - 0.1) < 0.05
+    assert result["calls"] == 5  # the window of the last three agrees at the fifth call
+    assert result["latency_s"] == pytest.approx(0.1)
 
 
 def test_timed_calls_give_up_at_the_cap_and_say_so():
-    result = timed_calls(sleeper([0.01, 0.03] * 10), "cpu", min_calls=3, max_calls=5, spread_limit=0.05)
+    call, clock = scripted([0.01, 0.03] * 10)
+    result = timed_calls(call, "cpu", min_calls=3, max_calls=5, spread_limit=0.05, clock=clock)
     assert result["calls"] == 5 and not result["stable"]
-    assert result["window_spread"] > 0.05
+    assert result["window_spread"] == pytest.approx(2.0)  # (0.03 - 0.01) / 0.01
 
 
 def test_summary_reports_median_p90_and_spread():

@@ -5,6 +5,8 @@ import io
 import os
 import re
 import stat
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -240,8 +242,11 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
     doc["pareto"][1] = doc["best"]
     profile = load_profile(profile_io.save(doc, tmp_path / "gpu.yaml"))
     pipe = build_pipeline(resolve_model("tiny-sd15"))
+    # The real build, noted: what is checked is that a refused profile loads no weights (with a
+    # full-size model, minutes), which nothing else shows; that the spy sees the builds that do
+    # happen is checked at the end (knobs.build_configured reads models.build_pipeline at each call).
     built = []
-    monkeypatch.setattr(models, "build_pipeline", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(models, "build_pipeline", lambda *a, **k: built.append(a) or build_pipeline(*a, **k))
     for attempt in (profile.load_pipeline, lambda: profile.apply(pipe)):
         with pytest.raises(ProfileError) as raised:
             attempt()
@@ -263,9 +268,12 @@ def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build
         with pytest.raises(ProfileError, match=r"measured on cuda, and no CUDA GPU is usable here; its configuration "
                                                r"cannot run on the CPU either \(tf32=True: TF32 needs a CUDA GPU; "):
             gpu.load_pipeline()
-    # the choices this machine runs load as before
+    # the choices this machine runs load as before, and build through the spy
     doc = document()
     assert load_profile(profile_io.save(doc, tmp_path / "cpu.yaml")).apply(pipe) is pipe
+    assert not built
+    assert hasattr(load_profile(tmp_path / "cpu.yaml").load_pipeline(), APPLIED)
+    assert len(built) == 1
 
 
 def _loaded_quantized(unet, library: str):
@@ -751,6 +759,41 @@ def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
         assert str(exc.value) == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-fifo", "a-file", "to-fifo"]  # no temporary file left
     assert not (tmp_path / "a-fifo").is_file() and (tmp_path / "to-fifo").is_symlink()  # as they were
+
+
+# A disk that fills during the write, for real: the child's file size limit (RLIMIT_FSIZE) set
+# under the profile's size, with SIGXFSZ ignored so that the write fails with EFBIG instead of
+# the kernel killing the process. A child: the limit holds for every file this process writes.
+_WRITE_PAST_THE_SIZE_LIMIT = """
+import os, resource, signal, sys
+import yaml
+from autotune import ProfileError
+from autotune import profile
+
+path = sys.argv[1]
+with open(path + ".new") as f:
+    doc = yaml.safe_load(f)
+os.remove(path + ".new")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    profile.save(doc, path)
+except ProfileError as exc:
+    print(exc)
+"""
+
+
+def test_a_profile_cut_short_by_a_full_disk_is_one_line_and_leaves_the_old_one(tmp_path):
+    path = tmp_path / "p.yaml"
+    profile_io.save(document(), path.with_name("p.yaml.new"))
+    assert path.with_name("p.yaml.new").stat().st_size > 2048  # well past the 1 KiB limit
+    path.write_text("the profile as it was\n")
+    out = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_SIZE_LIMIT, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == f"profile {path}: cannot write it (File too large)\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]  # no temporary file left
+    assert path.read_text() == "the profile as it was\n"
 
 
 def test_a_profile_written_through_a_symlink_keeps_the_link(tmp_path):

@@ -38,6 +38,23 @@ def test_defects_and_metrics():
     assert quality.violation(None, 30.0) == 0 and quality.violation(noisy, None) == 0
 
 
+
+def test_the_auto_threshold_is_bfloat16s_psnr_less_its_slack_never_above_the_ceiling():
+    assert quality.auto_threshold(36.5) == 30.5  # 6 dB under what bfloat16 alone reached
+    assert quality.auto_threshold(46.0) == 40.0  # at the ceiling
+    # bfloat16 almost lossless here (a tiny model): a threshold past 40 dB would reject what loses little
+    assert quality.auto_threshold(80.0) == quality.auto_threshold(quality.PSNR_CAP_DB) == quality.AUTO_MAX_DB == 40.0
+    assert quality.auto_threshold(None) == quality.DEFAULT_MIN_PSNR_DB == 30.0  # bfloat16 could not run here
+
+
+def test_an_output_of_another_shape_than_the_reference_is_refused():
+    rng = np.random.default_rng(0)
+    reference = rng.random((1, 32, 32, 3))
+    for other in (rng.random((1, 32, 48, 3)), rng.random((1, 32, 32, 4))):
+        with pytest.raises(ValueError, match=r"^output shape \(32, \d+, \d\) differs from the reference's \(32, 32, 3\)$"):
+            quality.compare(other, reference)
+
+
 @pytest.mark.slow
 def test_vae_tiling_is_rejected_by_default_and_accepted_when_loosened_bfloat16_passes(cli, tmp_path):
     (tmp_path / "space.yaml").write_text(TINY_SPACE)

@@ -159,6 +159,20 @@ def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path, launcher):
 
 
 @LAUNCHERS
+def test_a_child_that_exits_with_an_error_and_no_result_is_classified_crashed(tmp_path, launcher):
+    # A request the worker cannot read ("threads" gone: a request of another autotune version): it
+    # raises before measuring, outside the handlers that write a result, and exits 1, no signal.
+    # What the parent has to say comes from the last line the child logged.
+    req = request()
+    del req["threads"]
+    result = runner.run_trial(req, tmp_path / "t", timeout_s=300, launcher=launcher)
+    assert result["status"] == worker.CRASHED and "signal" not in result
+    assert result["error"] == "exited with code 1: KeyError: 'threads'"
+    assert "Traceback" in (tmp_path / "t" / "worker.log").read_text()
+    assert not (tmp_path / "t" / "result.json").exists() and not trial_processes()
+
+
+@LAUNCHERS
 def test_an_exception_in_the_child_comes_back_as_a_result(tmp_path, launcher):
     # A pipeline directory that vanished: loading raises inside the child, which reports it.
     req = request()
