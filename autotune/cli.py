@@ -810,7 +810,7 @@ def _check_folder(folder: Path) -> None:
             "and its default storage; give --workdir a writable folder")
 
 
-def _write_profile(out, request, outcome, output: Path | None, default_named: bool) -> int:
+def _write_profile(out, request, outcome, output: Path | None, default_named: bool = False) -> int:
     """Write the study's profile to `output` (None: --no-profile, which says how to export it),
     or say why there is none. A `default_named` output is checked again for another run's
     profile: one may have been written there while this run searched."""

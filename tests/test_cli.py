@@ -1313,7 +1313,7 @@ def test_a_ctrl_c_while_the_profile_is_written_says_how_to_resume(tmp_path, monk
                             counts={"trials": 1, "by_status": {"ok": 1}})
     monkeypatch.setattr(study, "tune", lambda request, **_: measured)
 
-    def ctrl_c(*_):
+    def ctrl_c(*_, **__):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli_module, "_write_profile", ctrl_c)
