@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..errors import AutotuneError
 from .base import Knob
 
 
@@ -19,11 +16,30 @@ _FUSED_FROM = {
 }
 
 
+class DroppedProjection(torch.nn.Module):
+    """Stands where a separate projection was, fused into another and dropped: it holds no
+    weights, and says what happened where something reaches for it. A LoRA loaded afterwards
+    with layers for it is refused by peft, which cannot wrap it (its error shows this repr);
+    had the attribute been None, peft skipped those layers without a word and the LoRA changed
+    only the layers left. Called (after unfuse_qkv_projections), it raises."""
+
+    def __init__(self, fused_into: str):
+        super().__init__()
+        self.fused_into = fused_into
+
+    def extra_repr(self) -> str:
+        return (f"fused into {self.fused_into} and dropped by an autotune profile's fuse_qkv; a LoRA for it must be "
+                "fused into the weights (pipe.fuse_lora(), then pipe.unload_lora_weights()) before the profile is applied")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"this projection was {self.extra_repr()}; the pipeline cannot be unfused")
+
+
 def drop_unfused_projections(model: torch.nn.Module) -> int:
-    """Remove the separate projections a fused attention module no longer calls; the parameters
-    removed. They are a quarter of SDXL's UNet (648M of 2567M parameters), 18% of Flux's
-    transformer, 17% of SD3's: kept, fuse_qkv would cost that much memory. The price: this
-    pipeline cannot be unfused again (unfuse_qkv_projections would call them)."""
+    """Replace the separate projections a fused attention module no longer calls with a
+    DroppedProjection; the parameters removed. They are a quarter of SDXL's UNet (648M of 2567M
+    parameters), 18% of Flux's transformer, 17% of SD3's: kept, fuse_qkv would cost that much
+    memory. The price: this pipeline cannot be unfused again."""
     removed = 0
     for module in model.modules():
         if not getattr(module, "fused_projections", False):
@@ -33,55 +49,10 @@ def drop_unfused_projections(model: torch.nn.Module) -> int:
                 continue
             for name in separate:
                 old = getattr(module, name, None)
-                if isinstance(old, torch.nn.Module):
+                if isinstance(old, torch.nn.Module) and not isinstance(old, DroppedProjection):
                     removed += sum(p.numel() for p in old.parameters())
-                    setattr(module, name, None)
+                    setattr(module, name, DroppedProjection(fused))
     return removed
-
-
-def dropped_projections(model: torch.nn.Module) -> list[str]:
-    """The paths of the separate projections drop_unfused_projections removed from `model`."""
-    return [f"{path}.{name}" for path, module in model.named_modules() if getattr(module, "fused_projections", False)
-            for fused, separate in _FUSED_FROM.items() if getattr(module, fused, None) is not None
-            for name in separate if getattr(module, name, "kept") is None]
-
-
-def refuse_lora_on_dropped_projections(model: torch.nn.Module, model_name: str) -> None:
-    """Make a LoRA loaded after the fusion (load_lora_weights, load_lora_adapter, add_adapter) that
-    targets a dropped projection fail, loading nothing of it. peft skips a target it does not find
-    in silence, so such a LoRA changed only the layers left (a cross-attention's query, the output
-    projections) and the images were wrong without a word. peft has no hook for this, so the
-    model's two entry points to it are wrapped on this instance."""
-    for method in ("load_lora_adapter", "add_adapter"):
-        loads = getattr(model, method, None)
-        if loads is None:
-            continue
-
-        @functools.wraps(loads)
-        def load_checked(*args, _loads=loads, **kwargs):
-            before = set(getattr(model, "peft_config", None) or {})
-            try:
-                result = _loads(*args, **kwargs)  # needs peft: imported by then
-            except ValueError as exc:  # peft: none of the targets found, as where all were q/k/v
-                exc.add_note(f"autotune: the profile's fused QKV dropped the {model_name}'s separate q/k/v "
-                             "projections; a LoRA for them must be fused into the weights before the profile is applied")
-                raise
-            from peft.tuners.tuners_utils import check_target_module_exists  # peft's own target matching
-
-            for adapter in set(getattr(model, "peft_config", None) or {}) - before:
-                missed = [path for path in dropped_projections(model)
-                          if check_target_module_exists(model.peft_config[adapter], path)]
-                if missed:
-                    model.delete_adapters(adapter)
-                    raise AutotuneError(
-                        f"LoRA adapter '{adapter}' has layers for the {model_name}'s q/k/v projections, which the "
-                        f"profile's fused QKV dropped ({missed[0]}{f' and {len(missed) - 1} more' if len(missed) > 1 else ''}): "
-                        "it was not loaded. "
-                        "Load it into a freshly loaded pipeline, fuse it into the weights (pipe.fuse_lora(), then "
-                        "pipe.unload_lora_weights()) and apply the profile after")
-            return result
-
-        setattr(model, method, load_checked)
 
 
 def _apply_fuse_qkv(pipe, value, target, config):
@@ -97,7 +68,6 @@ def _apply_fuse_qkv(pipe, value, target, config):
         fused = ("transformer",)
     for name in fused:
         drop_unfused_projections(getattr(pipe, name))
-        refuse_lora_on_dropped_projections(getattr(pipe, name), name)
 
 
 FUSE_QKV = Knob(
