@@ -328,6 +328,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         out.print(line)
     if getattr(outcome, "choice_note", None):
         out.print(f"choice: {outcome.choice_note}")
+    if getattr(outcome, "ruled_out_note", None):
+        out.print(f"note: {outcome.ruled_out_note}")
     if outcome.front:  # printed with one point too: its absence read as a summary cut short
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
             f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))

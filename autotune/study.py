@@ -38,7 +38,7 @@ from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import config_changes, count, counts_text
 from .errors import AutotuneError, first_line
-from .knobs import CATALOGUE, Config, Target, baseline
+from .knobs import CATALOGUE, Config, Target, baseline, complete
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -222,6 +222,7 @@ class StudyOutcome:
     measured_here: int = 0  # trials this worker measured (the others measured the rest)
     confirmed_here: int = 0  # confirmation trials this worker measured
     choice_note: str | None = None  # why a simpler config was kept over a faster median, if it was
+    ruled_out_note: str | None = None  # measured configs this autotune's rules now forbid, left out of the pick
     trials: list = field(default_factory=list, repr=False)  # every trial as read, for reports not to read again
 
     @property
@@ -458,6 +459,17 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     )
 
 
+def _ruled_out_now(config: Config, request: dict | None) -> str | None:
+    """Why this autotune's rules forbid a stored config, if they do; None where it cannot tell
+    (a knob it does not know: a later autotune's config, which Profile says itself)."""
+    from .knobs import conflict
+
+    try:
+        return conflict(complete(config), (request or {}).get("family"))
+    except (KeyError, ValueError):
+        return None
+
+
 def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = False) -> StudyOutcome:
     """The study's measured trials, baseline, pick and front; `guard_asked`: the request runs with
     the quality guard, whose calibration the outcome then reports."""
@@ -470,7 +482,15 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         if record and record.duplicate_of is None:
             records.append(record)
     feasible = [r for r in records if r.feasible]
+    # A config measured under an earlier autotune whose rules a later one tightened (a resumed or
+    # exported study): a profile of it would be refused by Profile.apply, so it is not picked.
+    ruled_out = {r.number: why for r in feasible if (why := _ruled_out_now(r.config, attrs.get("request")))}
+    feasible = [r for r in feasible if r.number not in ruled_out]
     outcome = StudyOutcome(records=records, stop_reason=stop_reason, trials=trials)
+    if ruled_out:
+        number, why = next(iter(ruled_out.items()))
+        outcome.ruled_out_note = (f"left out of the pick and the front: {count(len(ruled_out), 'measured config')} "
+                                  f"that this autotune's rules now forbid (trial {number}: {why})")
     outcome.baseline = next((r for r in records if r.baseline), None)
     outcome.best, outcome.choice_note = choose_best(feasible)
     outcome.front = pareto_front(feasible)

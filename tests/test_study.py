@@ -133,6 +133,39 @@ def test_a_resumed_study_with_a_trial_from_before_the_quality_guard_takes_its_du
     assert duplicate and duplicate[0].user_attrs["violations"] == {"memory": -0.5, "quality": 0.0}
 
 
+def test_a_stored_config_the_rules_now_forbid_is_not_picked(tmp_path):
+    """A study measured before a rule was added (compile with fp8 layerwise casting) picked its
+    fastest config, which a resumed run or an export then wrote: a profile Profile.apply refuses
+    as "ruled out; tune again", and tuning again resumed the same study (helper 74). The stored
+    trial stays a record, and is left out of the pick and the front, with a note."""
+    import optuna
+
+    from autotune.console import print_summary
+    from autotune.space import config_key
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    measure, _ = fake_measure(lambda c: 1.0)
+    study.tune(request(space, tmp_path, trials=1, confirm_rounds=0, storage=url), measure=measure)
+    stored = optuna.load_study(study_name="s", storage=url)
+    forbidden = {**baseline(), "dtype": "bfloat16", "compile": "default", "layerwise_casting": "fp8-e4m3"}
+    stored.add_trial(optuna.trial.create_trial(
+        params=space.params({"dtype": "bfloat16"}), distributions=stored.trials[0].distributions, value=0.1,
+        user_attrs={"config": forbidden, "config_key": config_key(forbidden), "violation": -0.5,
+                    "violations": {"memory": -0.5, "quality": 0.0},
+                    "result": {"status": "ok", "latency_s": 0.1, "peak_memory_bytes": 500 * MiB}}))
+    outcome = study.summarize(optuna.load_study(study_name="s", storage=url))
+    assert outcome.best.number == 0 and [r.number for r in outcome.front] == [0]
+    assert [r.number for r in outcome.records] == [0, 1]  # still a record of what was measured
+    assert outcome.ruled_out_note.startswith("left out of the pick and the front: 1 measured config that this "
+                                             "autotune's rules now forbid (trial 1: fp8 layerwise-casting hooks")
+    from rich.console import Console
+
+    out = Console(markup=False, record=True, width=300)
+    print_summary(out, outcome, 2**31, 0)
+    assert "note: left out of the pick and the front" in out.export_text()
+
+
 def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(tmp_path):
     def trial(status="ok", latency=1.0, peak=500 * MiB, taken=0.0):
         return {"status": status, "latency_s": latency, "peak_memory_bytes": peak, "cores_taken_by_others": taken}
