@@ -697,6 +697,8 @@ def _check_default_output_is_this_studys(output: Path, study_name: str,
     try:
         held = load_profile(output, check_fingerprint=False).data["study"]["name"]
     except (AutotuneError, KeyError, TypeError) as exc:
+        if _study_named_in(output) == study_name:
+            return  # this study's, by an autotune that wrote it otherwise: this run writes it anew
         # a profile of a newer autotune, or a file of the user's: not this run's to replace
         raise AutotuneError(f"{output} holds a file this autotune does not read as a profile "
                             f"({first_line(exc)}); name this run's profile with -o, or move the file away") from None
@@ -705,6 +707,17 @@ def _check_default_output_is_this_studys(output: Path, study_name: str,
         why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
         raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
                             f"study {study_name}: name its profile with -o, or move the file away")
+
+
+def _study_named_in(path: Path) -> str | None:
+    """The study name a YAML file records where a profile does (study.name), read as plain YAML."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(errors="replace"))
+        return data["study"]["name"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
 
 
 def _earlier_studies(request) -> dict[str, tuple[int, str]]:

@@ -418,7 +418,11 @@ def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
     if cut_at() is None:
         return
     lock = JournalFileSymlinkLock(str(path))
-    lock.acquire()
+    try:
+        lock.acquire()
+    except OSError as exc:  # a read-only folder: no lock, and no new record either
+        raise AutotuneError(f"storage {url}: {path} ends in a record cut short, which could not be set aside "
+                            f"({exc.strerror or exc})") from None
     try:
         start = cut_at()  # again, under the lock: a worker may have finished its line meanwhile
         if start is None:

@@ -936,6 +936,47 @@ def test_a_default_profile_path_holding_what_autotune_does_not_read_is_not_repla
     assert not list(tmp_path.glob("autotune-studies/trials/*/trial-*"))
 
 
+@pytest.mark.slow
+def test_this_studys_profile_in_a_form_autotune_no_longer_reads_is_written_anew(cli, tmp_path):
+    """A profile of this very study that this autotune does not read (an older autotune wrote it:
+    "export it again") was refused as another file, and exporting again was what was refused
+    (helper 74). Its study name, read as plain YAML, makes it this run's to replace."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    assert cli(*CHEAP, "--vram", "2GB").returncode == 0
+    written = yaml.safe_load((tmp_path / "tiny-sd15-2GB.yaml").read_text())
+    name = written["study"]["name"]
+    (tmp_path / "tiny-sd15-2GB.yaml").write_text(yaml.safe_dump({"study": {"name": name}}))
+    proc = cli("export", "--study-name", name)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load((tmp_path / "tiny-sd15-2GB.yaml").read_text())["best"] == written["best"]
+
+
+def test_a_cut_journal_in_a_folder_it_cannot_write_is_one_line(tmp_path):
+    """Setting a cut record aside needs Optuna's lock file beside the journal: in a read-only
+    folder that was a traceback (helper 74). Root passes mode 555 by its capabilities: the child
+    drops them (setpriv), and the test skips without setpriv."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root, and no setpriv to drop the capabilities that pass mode 555")
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / "j.log").write_bytes(b'{"op_code": 0, "worker_id": "a", "study_name": "s", "directions": [1]}\n{"op_')
+    folder.chmod(0o555)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", "autotune", "--model", "tiny-sd15", "--vram", "2GB",
+                               "--storage", f"journal:{folder / 'j.log'}"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300)
+    finally:
+        folder.chmod(0o755)
+    line = one_line_error(proc)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "j.log ends in a record cut short, which could not be set aside (" in line, line
+
+
 def test_the_export_line_printed_for_a_study_pastes_into_a_shell(tmp_path):
     """`autotune export --study-name a b --storage sqlite:///w s/studies.db` was printed unquoted:
     pasted, it failed on its arguments (helper 70). Each line is pasted into bash here, and export
