@@ -376,8 +376,8 @@ def _check_journal(url: str, path: Path) -> None:
         raise AutotuneError(f"storage {url}: cannot read {path} ({exc.strerror or exc})") from None
     with f:  # line by line: a big file named by mistake is refused at its first line
         for number, line in enumerate(f, start=1):
-            if number > 1 and not line.endswith(b"\n"):
-                break  # the last line, cut short (a worker writing it now, or a crash)
+            if not line.endswith(b"\n") and (number > 1 or line.startswith(b'{"op_code":')):
+                break  # the last line, cut short (a worker writing it now, or a crash); the first, as Optuna begins one
             try:
                 record = json.loads(line)
             except ValueError:

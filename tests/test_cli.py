@@ -342,6 +342,13 @@ def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_
     assert aside.read_bytes() == cut  # nothing lost
     assert not list(tmp_path.glob("j.log.lock"))  # Optuna's lock given back
 
+    # the very first record cut short (the first write killed): set aside too, not "no journal"
+    first = tmp_path / "first.log"
+    first.write_bytes(b'{"op_code":0,"worker_id":"a","study_name":"s","direc')
+    with pytest.warns(UserWarning, match=r"set aside in first\.log\.cut-\d+"):
+        optuna.create_study(storage=storages.open_storage(f"journal:{first}"), study_name="s")
+    assert [s.study_name for s in optuna.get_all_study_summaries(storages.open_storage(f"journal:{first}"))] == ["s"]
+
 
 def test_a_storage_that_cannot_be_written_is_one_line(cli, tmp_path):
     import optuna
