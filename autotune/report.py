@@ -325,6 +325,12 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
             except ReportError as exc:
                 failures.append(str(exc))
                 continue
+            if not _measured_there(data.best, measured.trials):
+                # the same command run elsewhere makes the same study name: a relative storage
+                # path read from another folder, or another machine's copy, holds another run
+                failures.append(f"{display_url(url)} holds another run of study {study['name']} (its trial "
+                                f"{data.best.trial} is not the profile's best)")
+                continue
             data.points, data.timeline, data.trials = measured.points, measured.timeline, measured.trials
             data.image_root, data.storage = measured.image_root, url
             picked = measured.best.trial if measured.best else None
@@ -335,6 +341,12 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
                 data.notes.append(f"{path.name}: its study picks {now} now, not the profile's trial {data.best.trial} "
                                   f"({data.best.latency_s:.3f} s): it was measured further after the profile was "
                                   f"written; {export_command(study['name'], url)} writes its pick")
+            elif data.best.trial is not None:
+                own = next((p for p in measured.points if p.trial == data.best.trial), None)
+                if own and own.latency_s != data.best.latency_s:
+                    data.notes.append(f"{path.name}: its best's median ({data.best.latency_s:.3f} s) is not its study's "
+                                      f"for trial {data.best.trial} ({own.latency_s:.3f} s): edited by hand, or "
+                                      "measured again since")
             break
         else:
             data.notes.append(f"{path.name}: trials not shown ({'; '.join(failures)})")
@@ -347,6 +359,18 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
     if not data.points:  # the profile's own points stand in for the measurements
         data.points = [p for p in [data.baseline, *data.front] if p]
     return data
+
+
+def _measured_there(best: Point | None, trials: list) -> bool:
+    """Whether a profile's best was measured in this study: the study's trial of that number
+    timed one of the latencies the profile records for it (its own, then its confirmations').
+    Latencies are floats written whole (YAML and JSON round-trip them), so two runs never share
+    one; a profile that records none to compare (no best, no trial number) is taken as it is."""
+    if best is None or best.trial is None:
+        return True
+    own = next((t for t in trials if t.number == best.trial), None)
+    measured = (own.user_attrs.get("result") or {}).get("latency_s") if own is not None else None
+    return measured is not None and measured in (best.result.get("latencies_s") or [best.latency_s])
 
 
 def _storage_candidates(url: str | None, profile_dir: Path) -> list[str]:
@@ -437,13 +461,14 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
 
 def _without_moved_twins(loaded: list[StudyData]) -> list[StudyData]:
     """A profile whose study was not found where it records it (its storage moved), given beside
-    that study read from where it is now: one study, compared once. Study names carry a hash of
-    their request, so the name is the study's identity."""
+    that study read from where it is now: one study, compared once. A study's name says its
+    request, not its run (the same command on two machines makes one name): the profile's best
+    must have been measured in that study (_measured_there)."""
     read = {d.name: d for d in loaded if d.source == "study"}
     kept = []
     for d in loaded:
         twin = read.get(d.name) if d.source == "profile" and d.storage is None else None
-        if twin is None:
+        if twin is None or not _measured_there(d.best, twin.trials):
             kept.append(d)
         else:
             twin.notes.append(f"{d.name}: given again (profile {d.origin}, whose recorded storage is not "
@@ -604,6 +629,20 @@ def chosen_images(study: StudyData) -> list[tuple[str, Path]]:
 
 
 # ---- charts -------------------------------------------------------------------------------------
+def _labels_as_written(plot):
+    """matplotlib reads text between two '$' as a formula: a study named 'cost $5 and $10' lost
+    its dollars, and one with '$\\foo$' in its name raised. Each chart shows names as written."""
+
+    @functools.wraps(plot)
+    def plotted(*args, **kwargs):
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False}):  # read as each text is made
+            return plot(*args, **kwargs)
+
+    return plotted
+
+
 def _figure(width: float, height: float):
     from matplotlib.figure import Figure
 
@@ -641,6 +680,7 @@ def _size_text(size: int | None) -> str:
 
 
 @_drawn_when_measured
+@_labels_as_written
 def plot_fronts(studies: list[StudyData]):
     """Latency against peak memory: every measured configuration (faint), each study's feasible
     Pareto front (line), its best (star), baseline (square) and budget (dashed line)."""
@@ -747,6 +787,7 @@ def _annotate_apart(ax, labels: list[tuple]) -> None:
 
 
 @_drawn_when_measured
+@_labels_as_written
 def plot_best_vs_budget(studies: list[StudyData]):
     """The best latency each study measured for any budget: solid within the study's budget,
     dotted beyond it (over-budget measurements: what more memory would buy). A dot marks the
@@ -836,6 +877,7 @@ def best_table_html(studies: list[StudyData]) -> str:
 
 
 @_drawn_when_measured
+@_labels_as_written
 def plot_speedups(studies: list[StudyData]):
     """Speedup of each study's best over its baseline, with the configuration that gave it."""
     studies = _charted(studies)
@@ -865,6 +907,7 @@ def plot_speedups(studies: list[StudyData]):
 
 
 @_drawn_when_measured
+@_labels_as_written
 def plot_importances(studies: list[StudyData]):
     """Knob importance for latency and for peak memory (PED-ANOVA), one bar per study; a study
     with too few trials gets a note instead of bars."""
@@ -913,6 +956,7 @@ def plot_importances(studies: list[StudyData]):
 
 
 @_drawn_when_measured
+@_labels_as_written
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
     ended (ok, over budget, each failure class, duplicate, forbidden, known not to fit), and the confirmation
@@ -952,6 +996,7 @@ def plot_timeline(studies: list[StudyData]):
     return fig
 
 
+@_labels_as_written
 def plot_images(studies: list[StudyData]):
     """The output images of the chosen configurations, where the trials kept them; None when
     no study has any."""
@@ -1044,6 +1089,7 @@ def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "au
             sections.append(best_table_html(studies))
     if not written:  # no study measured anything: no charts, the table says so
         sections.append(best_table_html(studies))
+    _remove_charts_not_drawn(out, CHARTS, written)
     page = (
         f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}"
@@ -1095,12 +1141,27 @@ def run_notebook(sources: str, notebook: str | Path = NOTEBOOK, out: str | Path 
     if figures_dir:
         folder = Path(figures_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        drawn, names = [], []
         for cell in nb.cells:
             name = cell.get("metadata", {}).get("autotune_figure")
             pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+            names += [name] if name else []
             if name and pngs:
                 (folder / f"{name}.png").write_bytes(base64.b64decode(pngs[-1]))
+                drawn.append(folder / f"{name}.png")
+        _remove_charts_not_drawn(folder, names, drawn)
     return nb
+
+
+def _remove_charts_not_drawn(folder: Path, names, drawn: list[Path]) -> None:
+    """A chart an earlier report wrote into this folder and this one did not draw (its studies
+    kept no image, measured nothing) went on standing beside the new ones, unlinked, as if of
+    these studies: removed. Only the charts' own names; nothing else in the folder is touched."""
+    for name in names:
+        stale = folder / f"{name}.png"
+        if stale not in drawn:
+            with _writing(stale, "remove an earlier report's chart"):
+                stale.unlink(missing_ok=True)
 
 
 # ---- `autotune report` --------------------------------------------------------------------------

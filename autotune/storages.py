@@ -298,7 +298,10 @@ def as_storage_url(text: str) -> str:
 def study_and_storage(entry: str) -> tuple[str, str] | None:
     """`NAME@STORAGE` as (name, storage URL), split at the first '@' that a storage URL or a
     SQLite file that is there follows: a study name may hold '@' ("team@gpu1"), and a URL's own '@'
-    (postgresql://user:pw@host/db) comes after its start. None: no storage named."""
+    (postgresql://user:pw@host/db) comes after its start. None: no storage named, or the entry
+    is a storage URL or a file as a whole (sqlite:////data/team@gpu1/studies.db)."""
+    if _STORAGE_URL_START.match(entry) or os.path.exists(entry):
+        return None
     at = entry.find("@")
     while at != -1:
         rest = entry[at + 1:]

@@ -1004,8 +1004,10 @@ def test_a_profile_whose_study_picks_another_config_now_says_so(studies, tmp_pat
     assert loaded.notes == [] and loaded.points  # its study's trials, and its pick
     doc = yaml.safe_load(profile.read_text())
     picked = doc["best"]["trial"]
-    other = next(p.trial for p in loaded.points if p.trial != picked)
-    doc["best"]["trial"] = other  # as a profile written when the study picked another trial
+    other = next(p for p in loaded.points if p.trial != picked and p.result.get("latency_s"))
+    # as a profile written when the study picked another trial: that trial's figures
+    doc["best"].update(trial=other.trial, latency_s=other.latency_s, latencies_s=[other.result["latency_s"]])
+    other = other.trial
     profile.write_text(yaml.safe_dump(doc, sort_keys=False))
     (loaded,) = report.load([str(profile)])
     assert len(loaded.notes) == 1
@@ -1099,3 +1101,77 @@ def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_s
         for_lack_of_memory, why = StudyOutcome(records=records, stop_reason="").why_no_best(2**30)
         assert says in why
         assert for_lack_of_memory == (not result)
+
+
+@pytest.mark.slow
+def test_a_profile_is_not_drawn_with_another_run_of_its_study_name(studies, tmp_path):
+    """The same command run twice (two machines, two folders) makes one study name: a profile
+    copied beside the other run's storage, whose relative path it records, was drawn with that
+    run's trials, and given beside it the two were merged into one (helper 75). A second real run
+    of the roomy study here; the profile's best must have been measured in the study it is drawn
+    with. A hand-edited best is said too."""
+    from autotune import report
+
+    folder, url = studies
+    (tmp_path / "space.yaml").write_text(SPACE)
+    other = f"sqlite:///{tmp_path / 'studies.db'}"
+    proc = run_cli("--model", "tiny-sd15", "--height", "64", "--width", "64", "--steps", "1", "--repeats", "1",
+                   "--warmup", "1", "--threads", "1", "--space", "space.yaml", "--storage", other, "--study-name",
+                   "roomy", "--vram", "2GB", "--trials", "2", "--confirm", "0", "--no-profile", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    copied = profile_recording(studies, tmp_path / "machineA.yaml", "sqlite:///studies.db")  # read from tmp_path
+    loaded = report.load([str(copied), f"roomy@{other}"])
+    assert [(s.name, s.source) for s in loaded] == [("roomy", "profile"), ("roomy", "study")]
+    assert loaded[0].storage is None and not loaded[0].trials
+    assert f"{other} holds another run of study roomy (its trial" in " ".join(loaded[0].notes)
+    assert {p.trial for p in loaded[1].points} <= {t.number for t in optuna.load_study(study_name="roomy",
+                                                                                       storage=other).trials}
+
+    edited = profile_recording(studies, tmp_path / "edited.yaml", url)
+    doc = yaml.safe_load(edited.read_text())
+    measured = doc["best"]["latency_s"]
+    doc["best"]["latency_s"] = measured / 2
+    edited.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (loaded,) = report.load([str(edited)])
+    assert loaded.trials and loaded.notes == [f"edited.yaml: its best's median ({measured / 2:.3f} s) is not its study's "
+                                              f"for trial {doc['best']['trial']} ({measured:.3f} s): edited by hand, or "
+                                              "measured again since"]
+
+
+def test_names_with_dollar_signs_are_drawn_as_written_and_old_charts_do_not_linger(studies, tmp_path):
+    """matplotlib took text between two '$' for a formula: a profile named 'one$\\foo$.yaml' made
+    the report a traceback, and '$5 and $10' lost its dollars (helper 75). A report written into a
+    folder an earlier one used left that one's charts standing beside it (helper 75)."""
+    from autotune import report
+
+    _, url = studies
+    loaded = report.load([f"roomy@{url}", f"tight@{url}"])
+    # labels as a profile's file name or a study's name makes them where two studies look alike
+    loaded[0].label, loaded[1].label = "one$\\foo$.yaml", "cost $5 and $10"
+    charts = report.figures(loaded)  # every chart: each draws the labels
+    assert "speedups" in charts and "fronts" in charts
+    text = drawn_text(charts["speedups"])
+    assert "one$\\foo$.yaml" in text and "cost $5 and $10" in text
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("fronts.png", "images.png", "mine.png"):
+        (out / name).write_bytes(PNG)  # an earlier report's charts, and a file of the user's
+    stopped = f"sqlite:///{tmp_path / 'stopped.db'}"
+    stopped_study(stopped, "stopped", 2**31)
+    written = report.write_report(report.load([f"stopped@{stopped}"]), out)  # nothing measured: no chart
+    assert [p.name for p in written] == ["index.html"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "mine.png"]
+
+
+def test_a_storage_whose_path_holds_an_at_sign_is_read_whole(studies, tmp_path):
+    """sqlite:////data/team@gpu1/studies.db was split at its '@' into a study and a storage that
+    is not there (helper 75)."""
+    import shutil
+
+    from autotune import report
+
+    folder, _ = studies
+    (tmp_path / "team@gpu1").mkdir()
+    shutil.copy(folder / "studies.db", tmp_path / "team@gpu1" / "studies.db")
+    for entry in (f"sqlite:///{tmp_path / 'team@gpu1' / 'studies.db'}", str(tmp_path / "team@gpu1" / "studies.db")):
+        assert sorted(s.name for s in report.load([entry])) == ["roomy", "tight"], entry
