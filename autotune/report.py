@@ -354,8 +354,9 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         data.notes.append(f"{path.name}: its study storage {study.get('storage')} is recorded without its password: "
                           "front and best from the profile only; give NAME@STORAGE_URL for its trials")
     else:
-        data.notes.append(f"{path.name}: its study storage {display_url(str(study.get('storage')))} is not here: "
-                          "front and best from the profile only, no timeline or knob importance")
+        where = (f"its study storage {display_url(str(study['storage']))} is not here" if study.get("storage")
+                 else "it records no study storage")
+        data.notes.append(f"{path.name}: {where}: front and best from the profile only, no timeline or knob importance")
     if not data.points:  # the profile's own points stand in for the measurements
         data.points = [p for p in [data.baseline, *data.front] if p]
     return data
@@ -406,7 +407,9 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
     besides. A profile file or a study given twice is compared once."""
     if isinstance(sources, str):
         sources = _entries(sources)
-    sources = [str(s) for s in sources or []]
+    elif isinstance(sources, os.PathLike):  # one path, spaces and all
+        sources = [sources]
+    sources = [os.fspath(s) for s in sources or []]
     if storage is not None:  # always a storage, never a profile: a path gets the URL to write
         _checked(check_url, storage)
     out: list[StudyData] = []

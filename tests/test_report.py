@@ -1089,6 +1089,15 @@ def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(s
     assert [(s.name, s.source) for s in loaded] == [("roomy", "study")]
     assert ("roomy: given again (profile moved.yaml, whose recorded storage is not here), compared once"
             in loaded[0].notes)
+    # one path given as a Path (it was iterated as a sequence: TypeError), and a profile that
+    # records no storage at all ("its study storage None is not here")
+    doc = yaml.safe_load(profile.read_text())
+    del doc["study"]["storage"]
+    (tmp_path / "no storage.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    (loaded,) = report.load(tmp_path / "no storage.yaml")
+    assert loaded.source == "profile" and loaded.notes == [
+        "no storage.yaml: it records no study storage: front and best from the profile only, no timeline or knob "
+        "importance"]
 
 
 def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_said_not_to_fit():
