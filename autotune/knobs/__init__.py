@@ -28,7 +28,7 @@ from .cache import CACHE, CACHES
 from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
                       INDUCTOR_FLAGS)
 from .host import MALLOC_MMAP_THRESHOLD
-from .layout import CHANNELS_LAST, FUSE_QKV
+from .layout import CHANNELS_LAST, FUSE_QKV, SEPARATE_PROJECTIONS
 from .memory import HOOKED, OFFLOAD, PER_LAYER, PLACEMENT, STREAMED, VAE_SLICING, VAE_TILING, places_on_device
 from .precision import CUDNN_BENCHMARK, DTYPE, DTYPES, TF32, VAE_FP16_FIX
 from .quantize import FP8_FORMATS, LAYERWISE_CASTING, QUANTIZE, QUANTIZE_TEXT_ENCODERS, TEXT_ENCODERS
@@ -351,10 +351,10 @@ def settings_found(pipe) -> list[str]:
 def lora_on_fused_projections(pipe) -> list[str]:
     """The models whose q/k/v projections (those fuse_qkv fuses: the denoiser's and the VAE's)
     carry LoRA layers not fused into their weights (peft's lora_A)."""
-    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
     return [name for name in ("unet", "transformer", "vae")
             if hasattr(model := getattr(pipe, name, None), "named_modules")
-            and any(path.rsplit(".", 1)[-1] in names and hasattr(m, "lora_A") for path, m in model.named_modules())]
+            and any(path.rsplit(".", 1)[-1] in SEPARATE_PROJECTIONS and hasattr(m, "lora_A")
+                    for path, m in model.named_modules())]
 
 
 def additions_found(pipe) -> list[str]:

@@ -14,6 +14,7 @@ _FUSED_FROM = {
     "to_kv": ("to_k", "to_v"),  # cross-attention: the query still comes from to_q
     "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
 }
+SEPARATE_PROJECTIONS = frozenset(name for separate in _FUSED_FROM.values() for name in separate)
 
 
 class DroppedProjection(torch.nn.Module):
