@@ -711,12 +711,11 @@ def _check_default_output_is_this_studys(output: Path, study_name: str,
 
 def _study_named_in(path: Path) -> str | None:
     """The study name a YAML file records where a profile does (study.name), read as plain YAML."""
-    import yaml
+    from .errors import AutotuneError, read_yaml
 
     try:
-        data = yaml.safe_load(path.read_text(errors="replace"))
-        return data["study"]["name"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return read_yaml(path, "profile", AutotuneError)["study"]["name"]
+    except (AutotuneError, KeyError, TypeError):
         return None
 
 
