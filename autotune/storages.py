@@ -401,8 +401,6 @@ def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
     onto it, which makes one line that is no record in the middle of the file: every later read
     fails. Under Optuna's own lock, so that no worker is writing, the cut part is moved to a file
     beside the journal (nothing is deleted) and the journal ends at its last whole record."""
-    import os
-
     from optuna.storages.journal import JournalFileSymlinkLock  # JournalFileBackend's default lock
 
     def cut_at() -> int | None:

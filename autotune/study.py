@@ -38,7 +38,7 @@ from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import config_changes, count, counts_text
 from .errors import AutotuneError, first_line
-from .knobs import CATALOGUE, Config, Target, baseline, complete
+from .knobs import CATALOGUE, Config, Target, baseline, complete, conflict
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
 from .sizes import format_size, parse_margin
@@ -462,8 +462,6 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
 def _ruled_out_now(config: Config, request: dict | None) -> str | None:
     """Why this autotune's rules forbid a stored config, if they do; None where it cannot tell
     (a knob it does not know: a later autotune's config, which Profile says itself)."""
-    from .knobs import conflict
-
     try:
         return conflict(complete(config), (request or {}).get("family"))
     except (KeyError, ValueError):
