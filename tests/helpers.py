@@ -42,9 +42,10 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
-def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None):
-    """`autotune ARGS` with `folder` at mode 000, as a user without root meets it. Root passes mode
-    000 by its capabilities: the child drops them (setpriv), and the test skips without setpriv."""
+def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None, mode=0o000):
+    """`autotune ARGS` with `folder` at `mode` (000: no access; 555: read-only), as a user without
+    root meets it. Root passes such modes by its capabilities: the child drops them (setpriv),
+    and the test skips without setpriv."""
     import shutil
 
     import pytest
@@ -52,9 +53,9 @@ def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None):
     prefix = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
-            pytest.skip("root, and no setpriv to drop the capabilities that pass mode 000")
+            pytest.skip(f"root, and no setpriv to drop the capabilities that pass mode {mode:03o}")
         prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
-    folder.chmod(0)
+    folder.chmod(mode)
     try:
         return subprocess.run([*prefix, sys.executable, "-m", "autotune", *map(str, args)],
                               capture_output=True, text=True, cwd=cwd, timeout=300)

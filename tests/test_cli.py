@@ -960,25 +960,14 @@ def test_this_studys_profile_in_a_form_autotune_no_longer_reads_is_written_anew(
 
 def test_a_cut_journal_in_a_folder_it_cannot_write_is_one_line(tmp_path):
     """Setting a cut record aside needs Optuna's lock file beside the journal: in a read-only
-    folder that was a traceback (helper 74). Root passes mode 555 by its capabilities: the child
-    drops them (setpriv), and the test skips without setpriv."""
-    import shutil
-    import subprocess
-    import sys
+    folder that was a traceback (helper 74)."""
+    from helpers import run_cli_behind_a_locked_folder
 
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("root, and no setpriv to drop the capabilities that pass mode 555")
-    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
     folder = tmp_path / "ro"
     folder.mkdir()
     (folder / "j.log").write_bytes(b'{"op_code": 0, "worker_id": "a", "study_name": "s", "directions": [1]}\n{"op_')
-    folder.chmod(0o555)
-    try:
-        proc = subprocess.run([*prefix, sys.executable, "-m", "autotune", "--model", "tiny-sd15", "--vram", "2GB",
-                               "--storage", f"journal:{folder / 'j.log'}"], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=300)
-    finally:
-        folder.chmod(0o755)
+    proc = run_cli_behind_a_locked_folder(folder, "--model", "tiny-sd15", "--vram", "2GB", "--storage",
+                                          f"journal:{folder / 'j.log'}", cwd=tmp_path, mode=0o555)
     line = one_line_error(proc)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "j.log ends in a record cut short, which could not be set aside (" in line, line
