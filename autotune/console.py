@@ -67,6 +67,12 @@ def _when_text(when: dict) -> str:
     return " and ".join(parts)
 
 
+def _rule_text(rule: dict) -> str:
+    """A partial config as `knob=value` pairs, a knob's several values joined by '|'."""
+    return " with ".join(f"{name}={'|'.join(map(str, v)) if isinstance(v, list) else v}"
+                         for name, v in rule.items())
+
+
 def print_space(space, target, out: Console | None = None) -> None:
     from .knobs import CATALOGUE
 
@@ -98,6 +104,11 @@ def print_space(space, target, out: Console | None = None) -> None:
     rules = [str(r) for r in space.forbid]
     if rules:
         out.print("forbidden combinations: " + "; ".join(rules))
+    conflicts = space.conflicts_here()
+    if conflicts:
+        out.print("never measured together (known conflicts among the choices searched here):")
+        for rule, reason in conflicts:
+            out.print(f"  - {_rule_text(rule)}: {reason}")
     seeds = space.seed_configs()
     if seeds:
         out.print("seeds, measured first after the baseline: "

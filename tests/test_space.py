@@ -387,3 +387,41 @@ def test_the_listing_says_why_a_knob_is_not_searched():
     assert re.search(r"│ cache +│ fixed at none \(not searched in tiny-flux\.yaml\) +│", text)
     assert re.search(r"│ offload +│ fixed at none \(its other choices dropped, below\) +│", text)
     assert "offload=model: CPU offload needs an accelerator" in text
+
+
+def test_the_listing_names_the_known_conflicts_that_can_bite_here():
+    """`--list-knobs` did not say which combinations are never measured (knobs.CONFLICTS): each
+    rule is listed where this space can draw it, narrowed to the choices searched here."""
+    from rich.console import Console
+
+    from autotune.console import print_space
+
+    compiling = {"compile": ["default", "max-autotune-no-cudagraphs"]}
+    space = SearchSpace([
+        Dimension("fuse_qkv", (False, True)),
+        Dimension("attention", ("sdpa", "sliced", "xformers")),
+        Dimension("offload", ("none", "model")),
+        Dimension("compile", ("none", "default", "reduce-overhead")),
+        Dimension("compile_fullgraph", (False, True), when=compiling),
+        Dimension("compile_vae", (False, True), when=compiling),
+    ], family="sdxl")
+    here = dict((str(rule), reason) for rule, reason in space.conflicts_here())
+    # narrowed to what is searched: sliced-max is not, and xFormers undoes the fusion on SDXL
+    assert "{'fuse_qkv': True, 'attention': 'sliced'}" in here
+    assert "{'fuse_qkv': True, 'attention': 'xformers'}" in here
+    assert "{'compile_fullgraph': True, 'offload': 'model'}" in here
+    assert "{'compile': 'reduce-overhead', 'offload': 'model'}" in here
+    # a rule on knobs this space leaves at their defaults (caches, layerwise casting) cannot bite,
+    # nor one that sets a knob its `when` leaves at the default (compile_vae without compile)
+    assert not [r for r in here if "cache" in r or "layerwise_casting" in r]
+    assert not [r for r in here if "'compile': 'none'" in r]
+    # a rule narrowed to other families is not listed for this one
+    flux = SearchSpace(space.dimensions, family="flux")
+    assert "{'fuse_qkv': True, 'attention': 'xformers'}" not in {str(r) for r, _ in flux.conflicts_here()}
+
+    out = Console(markup=False, width=300, record=True)
+    print_space(space, Target("cuda", "sdxl"), out)
+    text = out.export_text()
+    assert ("  - fuse_qkv=True with attention=sliced: attention slicing replaces the fused attention "
+            "processors, undoing fuse_qkv") in text
+    assert "  - compile=reduce-overhead with offload=model: CUDA-graph compile modes" in text
