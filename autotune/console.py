@@ -144,6 +144,8 @@ class RuledOutWords(NamedTuple):
 # TrialRecord.ruled_out_by's reasons, in the words of each place that says them (study.why_no_best
 # says them in sentences of its own, with the guard's threshold)
 RULED_OUT_SAID = {"budget": RuledOutWords("over budget", "over the budget", "over budget"),
+                  "forbidden": RuledOutWords("a combination this autotune now forbids",
+                                             "that fit now forbidden by the rules", "forbidden now"),
                   "quality": RuledOutWords("quality below --min-psnr", "that fit below the quality guard", "low quality"),
                   "failed again": RuledOutWords("failed when measured again", "that fit failed when measured again",
                                                 "failed again")}

@@ -48,6 +48,7 @@ CLASS_COLORS = {
     "over budget": "#ff7f0e",
     "low quality": "#bcbd22",  # ran, but its output is too far from the float32 reference
     "failed again": "#ad494a",  # ran and fit, but a confirmation of it failed (crashed, timed out, host memory)
+    "forbidden now": "#8c6d31",  # ran and fit under an earlier autotune, whose rules this one tightened
     worker.OUT_OF_MEMORY: "#d62728",
     worker.UNSUPPORTED: "#7f7f7f",
     worker.COMPILE_ERROR: "#9467bd",
@@ -287,6 +288,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     if outcome.best is None:  # the CLI's words, for the note, the table and the speedups chart
         data.no_best = outcome.why_no_best(data.budget_bytes or 0, request.get("margin_bytes") or 0, data.margin)[1]
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
+    if outcome.ruled_out_note:  # the summary's note: why a pick may differ from an earlier one
+        data.notes.append(f"{name}: {outcome.ruled_out_note}")
     left = unfinished(study)
     if left:  # stopped (Ctrl-C), or running now: its figures are those of a study half done
         data.notes.append(f"{name}: unfinished ({left}); its figures are as they stand, and the command "

@@ -130,6 +130,9 @@ class TrialRecord:
     # Later measurements of the same config in fresh trials (confirm_contenders): each
     # {"latency_s", "p90_s", "peak_memory_bytes", "status", "violation"}.
     confirmations: list[dict] = field(default_factory=list)
+    # Why this autotune's rules forbid the config, where they do: a study measured by an earlier
+    # autotune whose rules a later one tightened. Profile.apply would refuse a profile of it.
+    forbidden_now: str | None = None
 
     @property
     def feasible(self) -> bool:
@@ -186,18 +189,21 @@ class TrialRecord:
     @property
     def ruled_out_by(self) -> str | None:
         """Why a config that ran cannot be picked, one reason each, in this order: "budget" (the
-        peak of a trial of it, plus the margin, over the budget), "quality" (below the quality
-        guard), "failed again" (a confirmation crashed or timed out); None for one that can be,
-        or that did not run. The one reading of the summary, the no-fit error and the trial lines."""
+        peak of a trial of it, plus the margin, over the budget), "forbidden" (by this autotune's
+        rules, since it was measured), "quality" (below the quality guard), "failed again" (a
+        confirmation crashed or timed out); None for one that can be, or that did not run. The
+        one reading of the summary, the no-fit error and the trial lines."""
         if self.status != worker.OK or self.feasible:
             return None
         return "budget" if self.violations.get("memory", 0) > 0 else self.ruled_out_otherwise
 
     @property
     def ruled_out_otherwise(self) -> str | None:
-        """"quality" or "failed again" (in ruled_out_by's order) where that rules the config out,
-        over the budget or not: it would not be picked under a larger budget either."""
+        """"forbidden", "quality" or "failed again" (in ruled_out_by's order) where that rules the
+        config out, over the budget or not: it would not be picked under a larger budget either."""
         v = self.violations
+        if self.forbidden_now:
+            return "forbidden"
         return "quality" if v.get("quality", 0) > 0 else "failed again" if v.get("failed_again", 0) > 0 else None
 
     @property
@@ -262,6 +268,9 @@ class StudyOutcome:
         if ruled_out["quality"]:
             guard = f" {self.quality_guard['min_psnr_db']:g} dB" if self.quality_guard else ""
             otherwise.append(f"{ruled_out['quality']} that fit in memory fell below the quality guard's{guard} (--min-psnr)")
+        if ruled_out["forbidden"]:
+            otherwise.append(f"{ruled_out['forbidden']} that fit in memory broke a rule this autotune added "
+                             "since they were measured")
         if ruled_out["failed again"]:
             otherwise.append(f"{ruled_out['failed again']} that fit in memory failed when measured again "
                              "(a crash or a timeout in the confirmation phase)")
@@ -273,7 +282,7 @@ class StudyOutcome:
         stopped_there = smallest and not any(r.peak_memory_bytes == smallest for r in ran)
         # smallest_peak_bytes leaves out the configs ruled out otherwise: said, when some were
         left_out = {r.ruled_out_otherwise for r in ran if r.peak_memory_bytes}
-        judged = ("config not ruled out otherwise" if "failed again" in left_out else
+        judged = ("config not ruled out otherwise" if left_out & {"failed again", "forbidden"} else
                   "config the quality guard passed" if "quality" in left_out else None)
         seen = (f"the smallest peak memory {f'of a {judged}' if judged else 'measured'} was "
                 f"{'at least ' if stopped_there else ''}{format_size(smallest)}"
@@ -428,7 +437,10 @@ def stored_violations(frozen: optuna.trial.FrozenTrial) -> dict:
     return dict(attrs.get("violations", {"memory": attrs["violation"]}))
 
 
-def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None = None) -> TrialRecord | None:
+def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None = None,
+              family: str | None = None) -> TrialRecord | None:
+    """A measured trial as the study judges it, its `confirmations` and, given the study's model
+    `family`, this autotune's rules included; None for a trial that measured nothing."""
     attrs = frozen.user_attrs
     if "result" not in attrs:
         return None
@@ -444,26 +456,31 @@ def record_of(frozen: optuna.trial.FrozenTrial, confirmations: list[dict] | None
     violations["memory"] = max([violations.get("memory", 0.0), *(c["violation"] for c in judged_by_budget)])
     if len(judged_by_budget) < len(judged):
         violations["failed_again"] = BROKEN  # a crash, a timeout, host memory under a GPU budget
+    forbidden_now = _ruled_out_now(attrs["config"], family)
     return TrialRecord(
         number=frozen.number,
         config=attrs["config"],
         status=attrs["result"]["status"],
         result=attrs["result"],
-        violation=max(attrs["violation"], worst_again),
+        violation=max(attrs["violation"], worst_again, BROKEN if forbidden_now else -math.inf),
         violations=violations,
         baseline=attrs.get("baseline", False),
         seeded=bool(attrs.get("seed") or attrs.get("warm_start")),
         repair=attrs.get("repair"),
         duplicate_of=attrs.get("duplicate_of"),
         confirmations=confirmations,
+        forbidden_now=forbidden_now,
     )
 
 
-def _ruled_out_now(config: Config, request: dict | None) -> str | None:
-    """Why this autotune's rules forbid a stored config, if they do; None where it cannot tell
-    (a knob it does not know: a later autotune's config, which Profile says itself)."""
+def _ruled_out_now(config: Config, family: str | None) -> str | None:
+    """Why this autotune's rules forbid a stored config, if they do; None where it cannot tell (no
+    family to judge by; a knob it does not know: a later autotune's config, which Profile says
+    itself)."""
+    if not family:
+        return None
     try:
-        return conflict(complete(config), (request or {}).get("family"))
+        return conflict(complete(config), family)
     except (KeyError, ValueError):
         return None
 
@@ -476,19 +493,18 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
     confirmed = attrs.get(CONFIRMATIONS, {})
     trials = study.get_trials(deepcopy=False)  # one read of the storage: measured and not
     for frozen in (t for t in trials if t.state == TrialState.COMPLETE):
-        record = record_of(frozen, confirmed.get(str(frozen.number)))
+        record = record_of(frozen, confirmed.get(str(frozen.number)), (attrs.get("request") or {}).get("family"))
         if record and record.duplicate_of is None:
             records.append(record)
     feasible = [r for r in records if r.feasible]
-    # A config measured under an earlier autotune whose rules a later one tightened (a resumed or
-    # exported study): a profile of it would be refused by Profile.apply, so it is not picked.
-    ruled_out = {r.number: why for r in feasible if (why := _ruled_out_now(r.config, attrs.get("request")))}
-    feasible = [r for r in feasible if r.number not in ruled_out]
     outcome = StudyOutcome(records=records, stop_reason=stop_reason, trials=trials)
-    if ruled_out:
-        number, why = next(iter(ruled_out.items()))
-        outcome.ruled_out_note = (f"left out of the pick and the front: {count(len(ruled_out), 'measured config')} "
-                                  f"that this autotune's rules now forbid (trial {number}: {why})")
+    # A config measured under an earlier autotune whose rules a later one tightened (a resumed or
+    # exported study) is infeasible now (record_of): said, as it may have been the pick before.
+    forbidden = [r for r in records if r.forbidden_now and r.status == worker.OK]
+    if forbidden:
+        outcome.ruled_out_note = (f"left out of the pick and the front: {count(len(forbidden), 'measured config')} "
+                                  f"that this autotune's rules now forbid (trial {forbidden[0].number}: "
+                                  f"{forbidden[0].forbidden_now})")
     outcome.baseline = next((r for r in records if r.baseline), None)
     outcome.best, outcome.choice_note = choose_best(feasible)
     outcome.front = pareto_front(feasible)
@@ -1187,7 +1203,7 @@ def tune(
             continue  # given up as stale while it ran: another worker measures its config again
         measured_here += 1
         if on_trial:
-            on_trial(record_of(study.trials[trial.number]))
+            on_trial(record_of(study.trials[trial.number], family=req.target.family))
 
     confirmed_here = 0
 

@@ -159,11 +159,34 @@ def test_a_stored_config_the_rules_now_forbid_is_not_picked(tmp_path):
     assert [r.number for r in outcome.records] == [0, 1]  # still a record of what was measured
     assert outcome.ruled_out_note.startswith("left out of the pick and the front: 1 measured config that this "
                                              "autotune's rules now forbid (trial 1: fp8 layerwise-casting hooks")
+    # infeasible wherever the study reads its records, not only in the pick: it was confirmed
+    # again as the one contender (minutes of compiling), and set the cut for slow trials
+    ruled = outcome.records[1]
+    assert not ruled.feasible and ruled.ruled_out_by == "forbidden"
+    assert [r.number for r in study.contenders(outcome)] == [0]
     from rich.console import Console
 
     out = Console(markup=False, record=True, width=300)
     print_summary(out, outcome, 2**31, 0)
-    assert "note: left out of the pick and the front" in out.export_text()
+    text = out.export_text()
+    assert "note: left out of the pick and the front" in text
+    assert "of those 1 that fit now forbidden by the rules" in text
+    from autotune import report
+
+    [data] = report.load(f"s@{url}")
+    assert [n for n in data.notes if "left out of the pick and the front" in n]  # why a pick changed
+    assert [s.kind for s in data.timeline if s.trial == 1] == ["forbidden now"]
+
+    # where it was the one config that fit, the no-fit error says so (it contradicted itself:
+    # "no configuration fits: the smallest peak measured was" a peak within the budget)
+    base = outcome.records[0]
+    over = study.TrialRecord(base.number, base.config, "ok", {**base.result, "peak_memory_bytes": 3 * 2**30},
+                             violation=0.5, baseline=True, violations={"memory": 0.5})
+    alone = study.StudyOutcome(records=[over, ruled], stop_reason="")
+    fits, why = alone.why_no_best(2 * 2**30)
+    assert fits and why == ("no configuration fits 2.00 GiB: the smallest peak memory of a config not ruled out "
+                            "otherwise was 3.00 GiB; 1 that fit in memory broke a rule this autotune added since they "
+                            "were measured"), why
 
 
 def test_of_two_trials_the_less_disturbed_stands_and_a_failed_second_stands_too(tmp_path):
