@@ -473,8 +473,15 @@ def test_a_lora_loaded_after_fused_qkv_on_the_dropped_projections_is_refused(tmp
     torch.save(copy.deepcopy(pipe.vae), io.BytesIO())
     # unfused, the pipeline says why it cannot run rather than calling None
     pipe.unfuse_qkv_projections()
-    with pytest.raises(RuntimeError, match="fuse_qkv.*; the pipeline cannot be unfused"):
+    said = "dropped by an autotune profile's fuse_qkv: what calls it \\(unfusing, or an attention processor set after"
+    with pytest.raises(RuntimeError, match=said):
         image(pipe)
+    # as does one whose attention slicing, set after the profile, calls the separate projections
+    # (the error named a LoRA and unfusing, neither of which had happened: helper-1)
+    sliced = _profile_with(tmp_path / "f.yaml", fuse_qkv=True).apply(build_pipeline(resolve_model("tiny-sd15")))
+    sliced.enable_attention_slicing()
+    with pytest.raises(RuntimeError, match=said):
+        image(sliced)
 
 
 def test_a_pipeline_made_of_a_configured_ones_parts_is_refused(tmp_path):

@@ -22,7 +22,8 @@ class DroppedProjection(torch.nn.Module):
     weights, and says what happened where something reaches for it. A LoRA loaded afterwards
     with layers for it is refused by peft, which cannot wrap it (its error shows this repr);
     had the attribute been None, peft skipped those layers without a word and the LoRA changed
-    only the layers left. Called (after unfuse_qkv_projections), it raises."""
+    only the layers left. Called, by whatever needs the separate projections again (unfusing,
+    attention slicing, xFormers or an IP-Adapter's processors set after the profile), it raises."""
 
     def __init__(self, fused_into: str):
         super().__init__()
@@ -33,7 +34,11 @@ class DroppedProjection(torch.nn.Module):
                 "fused into the weights (pipe.fuse_lora(), then pipe.unload_lora_weights()) before the profile is applied")
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"this projection was {self.extra_repr()}; the pipeline cannot be unfused")
+        raise RuntimeError(
+            f"this projection was fused into {self.fused_into} and dropped by an autotune profile's fuse_qkv: what "
+            "calls it (unfusing, or an attention processor set after the profile was applied: attention slicing, "
+            "xFormers, an IP-Adapter) cannot run on this pipeline; load the pipeline again and add such things "
+            "before applying the profile, or use a point of the profile without fuse_qkv")
 
 
 def drop_unfused_projections(model: torch.nn.Module) -> int:
