@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 import os
 import re
@@ -395,6 +396,19 @@ def _check_journal(url: str, path: Path) -> None:
                                 "line, or name another file")
 
 
+def _new_file_beside(path: Path, suffix: str) -> Path:
+    """A file made empty beside `path`, named PATH.SUFFIX, or PATH.SUFFIX-2 and on where that
+    exists: two cut records set aside within one second each keep their own."""
+    for n in itertools.count(1):
+        candidate = path.with_name(f"{path.name}.{suffix}" + (f"-{n}" if n > 1 else ""))
+        try:
+            candidate.open("xb").close()
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
 def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
     """A journal whose last line lacks its newline ends in a record cut short (a worker killed
     while writing it, a full disk). Optuna skips it when reading, but appends the next record
@@ -428,7 +442,7 @@ def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
         start = cut_at()  # again, under the lock: a worker may have finished its line meanwhile
         if start is None:
             return
-        aside = path.with_name(f"{path.name}.cut-{int(time.time())}")
+        aside = _new_file_beside(path, f"cut-{int(time.time())}")
         with path.open("r+b") as f:
             f.seek(start)
             aside.write_bytes(f.read())

@@ -342,6 +342,10 @@ def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_
     assert aside.read_bytes() == cut  # nothing lost
     assert not list(tmp_path.glob("j.log.lock"))  # Optuna's lock given back
 
+    # a second cut record set aside in the same second keeps its own file (it replaced the first)
+    assert storages._new_file_beside(journal, aside.name.split(".")[-1]).name == aside.name + "-2"
+    assert aside.read_bytes() == cut
+
     # the very first record cut short (the first write killed): set aside too, not "no journal"
     first = tmp_path / "first.log"
     first.write_bytes(b'{"op_code":0,"worker_id":"a","study_name":"s","direc')
