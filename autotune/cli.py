@@ -961,8 +961,9 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
     try:
         for gpu in args.gpus:
             log = open(logs / f"gpu{gpu}.log", "wb")
+            # NAME=VALUE: a study name or storage starting with '-' is not taken for an option
             command = [sys.executable, "-m", "autotune", *argv, "--as-gpus-worker", "--device", "cuda",
-                       "--study-name", request.study_name, "--storage", request.storage]
+                       f"--study-name={request.study_name}", f"--storage={request.storage}"]
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=names[gpu], CUDA_DEVICE_ORDER="PCI_BUS_ID",
                        **{GPUS_PARENT_ENV: worker.this_process()})
             # Their own session: a terminal's Ctrl-C reaches them only through interrupt_workers,

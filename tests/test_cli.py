@@ -1490,21 +1490,22 @@ def test_a_signal_stops_every_gpu_worker_and_keeps_their_trials(tmp_path, stop):
 def test_gpu_workers_that_finish_leave_one_study_and_the_parent_writes_its_profile(tmp_path):
     """The end of a --gpus run that is not stopped: each worker ends (exit 0), and the parent
     reads the shared study and writes its profile. Only interrupted runs were tested (helper 71).
-    The GPUs are played by the CPU (FAKE_GPUS: these machines have no NVIDIA driver)."""
+    The study's name starts with '-', which the workers' command lines took for an option
+    (helper-1). The GPUs are played by the CPU (FAKE_GPUS: these machines have no NVIDIA driver)."""
     (tmp_path / "fakegpu").mkdir()
     (tmp_path / "fakegpu" / "sitecustomize.py").write_text(FAKE_GPUS)
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     env = dict(os.environ, PYTHONUNBUFFERED="1", AUTOTUNE_FAKE_GPUS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "fakegpu"), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "autotune", *CHEAP, "--vram", "8GB", "--trials", "3", "--gpus", "0,1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "autotune", *CHEAP, "--vram", "8GB", "--trials", "3", "--gpus", "0,1",
+                           "--study-name=-shared"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert out.count("ended (exit 0)") == 2 and "Traceback" not in out, out
     assert "profile written: tiny-sd15-8GB.yaml" in out, out
     profile = yaml.safe_load((tmp_path / "tiny-sd15-8GB.yaml").read_text())
     (summary,) = optuna.get_all_study_summaries(f"sqlite:///{tmp_path / 'autotune-studies' / 'studies.db'}")
-    assert profile["study"]["name"] == summary.study_name  # the workers shared one study
+    assert profile["study"]["name"] == summary.study_name == "-shared"  # the workers shared one study
     measured = [t for t in all_trials(tmp_path) if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(measured) >= 3 and profile["best"]["trial"] in {t.number for t in measured}
     assert not processes_left_in(tmp_path, wait_s=60)
