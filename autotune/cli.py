@@ -523,11 +523,12 @@ def _tune(args, argv: list[str]) -> int:
             hardware=machine["name"], machine=machine, confirm_rounds=args.confirm,
         )
         earlier = {} if args.study_name else _earlier_studies(request)
-        if not args.no_profile and not args.output:
-            _check_default_output_is_this_studys(output, study_name, earlier)
+        replaced = output and _check_output_replaceable(output, study_name, not args.output, earlier)
     out = console.terminal()
     console.print_header(out, request, space)
     _print_notes(out, request, machine, earlier)
+    if replaced:
+        out.print(f"note: {output} holds the profile of study {replaced}: this run's profile will replace it")
     if args.gpus:
         return _tune_on_gpus(out, request, args, argv, output)
     try:  # to the profile's rename: stopped while it is written, the same command writes it
@@ -684,29 +685,36 @@ def default_profile_path(spec, budget: int) -> Path:
     return Path(f"{Path(spec.name).name}-{short_size(budget)}.yaml")
 
 
-def _check_default_output_is_this_studys(output: Path, study_name: str,
-                                        earlier: dict[str, tuple[int, str]] | None = None) -> None:
-    """The default name says model and budget only: a run of another workload, seed or threshold
-    would silently replace the profile a server may be loading. Refused before the search, saying
-    what differs where the profile's study is one of `earlier` (_earlier_studies)."""
+def _check_output_replaceable(output: Path, study_name: str, default_named: bool,
+                              earlier: dict[str, tuple[int, str]] | None = None) -> str | None:
+    """Whether this study's profile may replace what `output` holds; checked before the search and
+    again as the profile is written. A file autotune does not read as a profile (a newer
+    autotune's, or a file of the user's) is refused, unless it names this very study. The profile
+    of another study is refused at the default name, which says model and budget only: a run of
+    another workload, seed or threshold would silently replace the profile a server may be
+    loading (what differs is said where that study is one of `earlier`, _earlier_studies). A name
+    given with -o is the user's choice: the other study's name is returned, for a note."""
     from .errors import AutotuneError, first_line
     from .profile import load_profile
 
     if not output.is_file():
-        return
+        return None
+    instead = "name this run's profile with -o" if default_named else "name another file with -o"
     try:
         held = load_profile(output, check_fingerprint=False).data["study"]["name"]
     except (AutotuneError, KeyError, TypeError) as exc:
         if _study_named_in(output) == study_name:
-            return  # this study's, by an autotune that wrote it otherwise: this run writes it anew
-        # a profile of a newer autotune, or a file of the user's: not this run's to replace
+            return None  # this study's, by an autotune that wrote it otherwise: this run writes it anew
         raise AutotuneError(f"{output} holds a file this autotune does not read as a profile "
-                            f"({first_line(exc)}); name this run's profile with -o, or move the file away") from None
-    if held != study_name:
-        differences = (earlier or {}).get(held)
-        why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
-        raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
-                            f"study {study_name}: name its profile with -o, or move the file away")
+                            f"({first_line(exc)}); {instead}, or move the file away") from None
+    if held == study_name:
+        return None
+    if not default_named:
+        return held
+    differences = (earlier or {}).get(held)
+    why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
+    raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
+                        f"study {study_name}: {instead}, or move the file away")
 
 
 def _study_named_in(path: Path) -> str | None:
@@ -824,8 +832,8 @@ def _check_folder(folder: Path) -> None:
 
 def _write_profile(out, request, outcome, output: Path | None, default_named: bool = False) -> int:
     """Write the study's profile to `output` (None: --no-profile, which says how to export it),
-    or say why there is none. A `default_named` output is checked again for another run's
-    profile: one may have been written there while this run searched."""
+    or say why there is none. `output` is checked (again) as it is written: another run may have
+    written there while this one searched (_check_output_replaceable; `default_named`: not -o)."""
     from . import profile as profile_io
     from .errors import AutotuneError
 
@@ -838,13 +846,14 @@ def _write_profile(out, request, outcome, output: Path | None, default_named: bo
         return 0
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
     try:
-        if default_named:
-            _check_default_output_is_this_studys(output, request.study_name)
+        replaced = _check_output_replaceable(output, request.study_name, default_named)
         path = profile_io.save(document, output)
     except AutotuneError as exc:  # checked before the search, yet the file can change meanwhile
         raise AutotuneError(f"{exc}; the measured trials are kept: "
                             f"{export_command(request.study_name, request.storage)} -o OTHER.yaml") from None
     shown = shlex.quote(str(path))
+    if replaced:
+        out.print(f"replaced the profile of study {replaced} in {path}")
     out.print(f"profile written: {path}  (autotune show {shown} reads it, autotune verify {shown} replays it; "
               f"serve it with autotune.load_profile({str(path)!r}))")
     return 0
@@ -1051,7 +1060,6 @@ def _export(argv: list[str]) -> int:
     if not args.output:  # a named one was checked before reading the study
         _check_not_the_storage(output, storage)
         check_writable(output)
-        _check_default_output_is_this_studys(output, args.study_name)
     return _write_profile(out, request, outcome, output, default_named=not args.output)
 
 

@@ -948,6 +948,29 @@ def test_a_default_profile_path_holding_what_autotune_does_not_read_is_not_repla
 
 
 @pytest.mark.slow
+def test_an_output_named_with_o_is_never_a_file_of_the_users_and_another_profile_is_replaced_aloud(cli, tmp_path):
+    """`-o notes.md` replaced a user's file with a profile, and `-o` naming another model's
+    profile replaced it without a word (helper-2): only the default name was checked. A file
+    autotune does not read as a profile is refused before the search; another study's profile,
+    named on purpose, is replaced with a note."""
+    (tmp_path / "small.yaml").write_text(SMALL_SPACE)
+    (tmp_path / "notes.md").write_text("# my notes\n")
+    line = one_line_error(proc := cli(*CHEAP, "--vram", "2GB", "-o", "notes.md"))
+    assert proc.returncode == 1
+    assert line.startswith("autotune: error: notes.md holds a file this autotune does not read as a profile ("), line
+    assert "name another file with -o, or move the file away" in line, line
+    assert (tmp_path / "notes.md").read_text() == "# my notes\n"
+    assert not list(tmp_path.glob("autotune-studies/trials/*/trial-*"))  # refused before the search
+    assert cli(*CHEAP, "--vram", "2GB", "--height", "72", "-o", "served.yaml").returncode == 0
+    tall = yaml.safe_load((tmp_path / "served.yaml").read_text())["study"]["name"]
+    proc = cli(*CHEAP, "--vram", "2GB", "-o", "served.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: served.yaml holds the profile of study {tall}: this run's profile will replace it" in proc.stdout
+    assert f"replaced the profile of study {tall} in served.yaml" in proc.stdout
+    assert yaml.safe_load((tmp_path / "served.yaml").read_text())["study"]["name"] != tall
+
+
+@pytest.mark.slow
 def test_this_studys_profile_in_a_form_autotune_no_longer_reads_is_written_anew(cli, tmp_path):
     """A profile of this very study that this autotune does not read (an older autotune wrote it:
     "export it again") was refused as another file, and exporting again was what was refused
