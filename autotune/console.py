@@ -146,7 +146,7 @@ class RuledOutWords(NamedTuple):
 RULED_OUT_SAID = {"budget": RuledOutWords("over budget", "over the budget", "over budget"),
                   "forbidden": RuledOutWords("a combination this autotune now forbids",
                                              "that fit now forbidden by the rules", "forbidden now"),
-                  "quality": RuledOutWords("quality below --min-psnr", "that fit below the quality guard", "low quality"),
+                  "quality": RuledOutWords("below the quality guard", "that fit below the quality guard", "low quality"),
                   "failed again": RuledOutWords("failed when measured again", "that fit failed when measured again",
                                                 "failed again")}
 
@@ -169,6 +169,7 @@ class TrialProgress:
             transient=True,
         )
         self.task = self.progress.add_task("tuning", total=total)
+        self.confirming = False  # the confirmation phase's heading printed
 
     def __enter__(self):
         self.progress.__enter__()
@@ -187,7 +188,7 @@ class TrialProgress:
             what = f"{record.latency_s:.3f} s, {format_size(record.peak_memory_bytes)}"
             q = r.get("quality")
             if q:
-                what += f", {q['psnr_db']:.1f} dB"
+                what += f", PSNR {q['psnr_db']:.1f} dB"
             if record.ruled_out_by:
                 what += f" ({RULED_OUT_SAID[record.ruled_out_by].trial_line})"
             if r.get("cut_short"):
@@ -220,7 +221,12 @@ class TrialProgress:
         self.out.print(text)
 
     def confirmed(self, record, entry: dict) -> None:
-        """One line per confirmation (a contender measured again in a fresh trial)."""
+        """One line per confirmation (a contender measured again in a fresh trial), under a
+        heading that says what these lines are."""
+        if not self.confirming:
+            self.confirming = True
+            self.out.print("confirming: the fastest configs that fit, each measured again in fresh trials, in "
+                           "alternation (`again N`: trial N's config); each counts with its median")
         if entry["latency_s"] is not None:
             what = f"{entry['latency_s']:.3f} s, {format_size(entry['peak_memory_bytes'])}"
             if entry["violation"] > 0:
@@ -361,7 +367,9 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
     """Recorded against replayed figures, and the verdict cli.py computed: whether the replayed
     peak plus the profile's margin is within its budget (None: the replay failed, no verdict)."""
     best, budget = profile.best, profile.budget_bytes
-    table = Table(title=f"replay of {profile.path} ({result.get('status')})")
+    # the replay's own status: "ran" where it measured (not a verdict: that is the budget's line)
+    ran = "ran" if result.get("status") == OK else result.get("status")
+    table = Table(title=f"replay of {profile.path} ({ran})")
     for col in ("", "recorded", "replayed", "replayed / recorded"):
         table.add_column(col)
     for label, key, fmt in (
@@ -372,7 +380,7 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
     ):
         # a replay that failed measured nothing comparable: its peak is where it stopped
         old, new = best.get(key), result.get(key) if result.get("status") == OK else None
-        ratio = f"{new / old:.3f}" if old and new else "-"
+        ratio = f"{new / old:.3f}x" if old and new else "-"
         table.add_row(label, fmt(old) if old else "-", fmt(new) if new else "-", ratio)
     out.print(table)
     if result.get("status") == OK and _busy_note(result):  # as a trial's line says it

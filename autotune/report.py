@@ -39,6 +39,7 @@ from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_ur
                        default_storage, display_url, export_command, is_masked, is_storage_url, open_storage,
                        storage_file, study_and_storage, with_storage_file)
 
+DEFAULT_REPORT_DIR = "autotune-report"  # beside autotune-studies/, in the current folder
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 DPI = 100
 
@@ -1180,7 +1181,7 @@ def main(argv: list[str]) -> int:
     p = Parser(
         prog="autotune report",
         description="Compare studies: write their charts as PNG and an index.html page.",
-        epilog="Examples: autotune report --out report/  (every study in the default storage); "
+        epilog="Examples: autotune report  (every study in the default storage, into autotune-report/); "
         "autotune report --storage sqlite:///s.db --study A --study B --out report/; "
         "autotune report a.yaml b.yaml --out report/",
     )
@@ -1193,7 +1194,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--study", action="append", default=[], metavar="NAME",
                    help="a study in --storage; repeat to compare several")
     p.add_argument("--profile", action="append", default=[], type=a_path, help="a profile file; repeatable")
-    p.add_argument("--out", required=True, type=a_path, help="folder for the PNGs and index.html")
+    p.add_argument("--out", type=a_path, default=Path(DEFAULT_REPORT_DIR),
+                   help=f"folder for the PNGs and index.html (default: ./{DEFAULT_REPORT_DIR})")
     p.add_argument("--title", default="autotune: compared studies")
     args = p.parse_args(argv)
     sources = [*args.sources, *map(str, args.profile)]

@@ -1084,6 +1084,10 @@ def test_a_replay_timed_beside_other_work_says_so(written):
         console.print_verification(out, load_profile(written), {**replayed, "cores_taken_by_others": taken}, fits=True)
         said = "warning: replayed (timed while other processes took 0.8 of its CPU cores)" in out.file.getvalue()
         assert said == warned
+    # the title says the replay ran, not "(ok)" over figures 12x the recorded; ratios read as ratios
+    text = out.file.getvalue()
+    assert "(ran)" in text and "(ok)" not in text, text
+    assert re.search(r"latency \(median\) .* \d+\.\d{3}x", text), text
 
 
 def test_the_readmes_serving_code_runs(written):

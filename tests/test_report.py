@@ -208,6 +208,11 @@ def test_report_command_writes_the_charts_and_an_index(studies, tmp_path):
         assert f'src="{name}.png"' in index
     assert "tiny-sd15 2GB cpu" in index and "tiny-sd15 400MB cpu" in index
     assert "autotune-best" in index  # the table of bests
+    # without --out, into ./autotune-report (--out was required: a user's first `autotune report` failed)
+    proc = run_cli("report", "--storage", url, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith(f"and {Path('autotune-report') / 'index.html'}\n"), proc.stdout
+    assert (tmp_path / "autotune-report" / "fronts.png").read_bytes().startswith(PNG)
 
     # A profile and a study named explicitly, mixed.
     profile = folder / "roomy.yaml"
@@ -224,7 +229,6 @@ def test_report_command_writes_the_charts_and_an_index(studies, tmp_path):
         (["--storage", "{url}", "--study", "nope", "--out", "o"], "no study named 'nope'"),
         (["missing.yaml", "--out", "o"], "no such file"),
         (["what-is-this", "--out", "o"], "expected NAME@STORAGE_URL"),
-        (["--storage", "{url}"], "required: --out"),
         # a path given to --storage is a storage, never a profile ("not UTF-8 text" before)
         (["--storage", "{path}", "--out", "o"], "storage {path}: not a storage URL; for a SQLite file write {url}"),
         (["--storage", "{path}", "--study", "roomy", "--out", "o"], "for a SQLite file write {url}"),

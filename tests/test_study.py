@@ -707,7 +707,9 @@ def test_a_confirmation_that_crashed_makes_the_config_infeasible_but_not_out_of_
     bf16 = next(r for r in outcome.records if r.config["dtype"] == "bfloat16")
     # why it failed is kept, and said on its line (it was "again 1  crashed" alone: helper 60)
     assert bf16.confirmations[0]["error"] == "killed by SIGSEGV"
-    assert "again   1  crashed: killed by SIGSEGV  [dtype=bfloat16]" in out.export_text()
+    said = out.export_text()
+    assert "again   1  crashed: killed by SIGSEGV  [dtype=bfloat16]" in said
+    assert said.count("confirming: the fastest configs that fit") == 1  # a heading over those lines
     assert not bf16.feasible and bf16.violations["failed_again"] > 0
     assert bf16.violations["memory"] <= 0 and not study.ran_out_of_memory(bf16)  # no memory dominance from a crash
     assert outcome.best.baseline
