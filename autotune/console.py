@@ -350,8 +350,9 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     if getattr(outcome, "ruled_out_note", None):
         out.print(f"note: {outcome.ruled_out_note}")
     if outcome.front:  # printed with one point too: its absence read as a summary cut short
+        sizes = front_sizes([r.peak_memory_bytes for r in outcome.front])
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
-            f"{format_size(r.peak_memory_bytes)} -> {r.latency_s:.3f} s" for r in outcome.front))
+            f"{size} -> {r.latency_s:.3f} s" for size, r in zip(sizes, outcome.front)))
     busy = busy_timings(outcome)
     if busy:
         out.print(busy)
@@ -396,6 +397,15 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
                 f"{format_size(budget - margin_bytes - peak)} more)" * fits)
 
 
+def front_sizes(peaks: list[int]) -> list[str]:
+    """The peaks of a front (by memory) as sizes, each that would read as the one before it
+    ("859.52 MiB" twice, a few KiB apart) with what it holds more: a faster point listed at the
+    same size looked like a front that kept a dominated point."""
+    sizes = [format_size(p) for p in peaks]
+    return [f"{size} (+{format_size(peak - peaks[i - 1])})" if i and size == sizes[i - 1] else size
+            for i, (size, peak) in enumerate(zip(sizes, peaks))]
+
+
 def print_profile(out: Console, profile) -> None:
     d = profile.data
     m, w = profile.model, profile.workload  # with their defaults (batch_size may be left out)
@@ -425,9 +435,9 @@ def print_profile(out: Console, profile) -> None:
     table = Table(title="feasible Pareto front" + (", and the best (kept within noise, not on it)" if off_front else ""))
     for col in ("trial", "latency", "peak memory", "configuration"):
         table.add_column(col)
-    for p in rows:
+    for p, size in zip(rows, front_sizes([p["peak_memory_bytes"] for p in rows])):
         table.add_row(f"{p.get('trial', '')}{' (best)' if is_best(p) else ''}", f"{p['latency_s']:.3f} s",
-                      format_size(p["peak_memory_bytes"]), config_changes(p["config"]))
+                      size, config_changes(p["config"]))
     out.print(table)
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
     counts = ", ".join(count(s[key], noun) if noun else f"{s[key]} infeasible"

@@ -96,3 +96,14 @@ def test_the_smallest_budget_a_peak_fits_is_the_one_the_margin_rule_admits(peak,
     budget = smallest_budget(peak, margin)
     assert peak + parse_margin(margin, budget) <= budget
     assert peak + parse_margin(margin, budget - 1) > budget - 1
+
+
+def test_a_front_says_how_much_more_a_point_holds_where_its_size_reads_as_the_one_before():
+    """A front of 859.52 MiB -> 0.567 s; 859.52 MiB -> 0.534 s read as a dominated point kept
+    (helper-2): the second holds 4 KiB more, the fastest measured for a budget between them."""
+    from autotune.console import front_sizes
+
+    mib = 2**20
+    peaks = [859 * mib, 859 * mib + 4096, 859 * mib + 8192, 861 * mib]
+    assert front_sizes(peaks) == ["859.00 MiB", "859.00 MiB (+4.00 KiB)", "859.01 MiB", "861.00 MiB"]
+    assert front_sizes([]) == []
