@@ -1021,7 +1021,7 @@ def _export(argv: list[str]) -> int:
     import optuna
 
     p = Parser(prog="autotune export", description="write the profile of a stored (shared) study")
-    p.add_argument("--study-name", required=True)
+    p.add_argument("--study-name", help="the study to export (without it: the studies the storage holds are listed)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", type=a_storage_url, help="Optuna storage URL (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=a_path,
@@ -1037,8 +1037,12 @@ def _export(argv: list[str]) -> int:
     try:  # no storage file yet: "no study", with a hint where it is the default one
         check_file(storage, hint="" if args.storage or args.workdir else WORKDIR_HINT)
     except AutotuneError as exc:
-        raise AutotuneError(f"no study {args.study_name!r}: {exc}") from None
+        raise AutotuneError(f"no study {args.study_name!r}: {exc}" if args.study_name else str(exc)) from None
     backend = open_storage(storage, existing=True)
+    if not args.study_name:  # which one? the names are long (a digest): a list to copy from
+        _list_studies(backend, storage)
+        print("autotune export: name the study to export with --study-name", file=sys.stderr)
+        return EXIT_USAGE
     try:
         study = optuna.load_study(study_name=args.study_name, storage=backend)
     except KeyError:
@@ -1061,6 +1065,28 @@ def _export(argv: list[str]) -> int:
         _check_not_the_storage(output, storage)
         check_writable(output)
     return _write_profile(out, request, outcome, output, default_named=not args.output)
+
+
+def _list_studies(backend, storage: str) -> None:
+    """A line per study of a storage: its name, and for autotune's own what it measured."""
+    import optuna
+
+    from .console import count
+    from .sizes import format_size
+    from .study import summarize
+
+    summaries = optuna.get_all_study_summaries(backend, include_best_trial=False)
+    print(f"studies in {display_url(storage)}:" if summaries else f"no study in {display_url(storage)}")
+    for summary in summaries:
+        request = summary.user_attrs.get("request") or {}
+        model = (request.get("model") or {}).get("name")
+        if model and request.get("budget_bytes"):  # autotune's: its measured trials, as its summary counts them
+            measured = summarize(optuna.load_study(study_name=summary.study_name, storage=backend)).counts["trials"]
+            what = (f"{model}, {request.get('device')}, budget {format_size(request['budget_bytes'])}, "
+                    f"{count(measured, 'trial')} measured")
+        else:
+            what = f"{count(summary.n_trials, 'trial')}, not autotune's"
+        print(f"  {summary.study_name}  ({what})")
 
 
 # ---- profiles ------------------------------------------------------------------------------------

@@ -380,6 +380,22 @@ def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
     assert "no study 'sdxl-6' in sqlite:///s.db (it holds sdxl-12, sdxl-8)" in line
 
 
+def test_export_without_a_study_name_lists_the_studies_it_could_export(cli, tmp_path):
+    """`export` needs a study's name, which holds a digest, and nothing listed them (helper-2)."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    ours = optuna.create_study(study_name="tiny-sd15-cpu-2GB-abc", storage=url)
+    ours.set_user_attr("request", {"model": {"name": "tiny-sd15"}, "device": "cpu", "budget_bytes": 2**31})
+    optuna.create_study(study_name="plain", storage=url).enqueue_trial({"x": 1})  # Optuna's own
+    proc = cli("export", "--storage", "sqlite:///s.db")
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines() == ["studies in sqlite:///s.db:",
+                                        "  tiny-sd15-cpu-2GB-abc  (tiny-sd15, cpu, budget 2.00 GiB, 0 trials measured)",
+                                        "  plain  (1 trial, not autotune's)"], proc.stdout
+    assert one_line_error(proc) == "autotune export: name the study to export with --study-name"
+
+
 @pytest.mark.parametrize("args, message", [
     (["export", "--study-name", "plain", "--storage", "sqlite:///s.db"],
      "study plain: it records no autotune request (an Optuna study of another tool, or one written by an older autotune)"),
