@@ -1097,9 +1097,9 @@ def test_the_readmes_serving_code_runs(written):
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("In serving code:\n```python\n", 1)[1].split("```", 1)[0]
-    assert '"sdxl-8GB.yaml"' in block
+    assert '"tiny-sdxl-2GB.yaml"' in block  # the quick start's profile
     namespace = {}
-    exec(block.replace('"sdxl-8GB.yaml"', repr(str(written))), namespace)  # noqa: S102 - the README's own code
+    exec(block.replace('"tiny-sdxl-2GB.yaml"', repr(str(written))), namespace)  # noqa: S102 - the README's own code
     assert namespace["pipe"].unet.dtype == torch.bfloat16
     assert len(namespace["images"]) == 1  # called as measured: the profile's size, steps and batch
     commented = [line.lstrip("# ") for line in block.splitlines() if line.startswith("# pipe = ")]
