@@ -255,10 +255,8 @@ def busy_timings(outcome) -> str | None:
     if not busy:
         return None
     return (f"warning: timings taken while other processes took the trials' CPU cores (up to {max(busy):.1f}): "
-            f"{len(busy)} of {len(results)}; those latencies are slower and noisier than this machine's when "
-            "quiet (a trial that lost on one was measured twice, the less disturbed kept, until a second trial "
-            "found the machine still busy), and the study keeps them; a new study (--study-name) on a quiet "
-            "machine measures anew")
+            f"{len(busy)} of {len(results)}, slower and noisier than on a quiet machine; the study keeps them "
+            "(run a new --study-name when the machine is quiet to measure anew)")
 
 
 def status_counts(outcome) -> str:

@@ -1296,7 +1296,7 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
     lines = [line for line in out.export_text().splitlines() if line.startswith("trial")]
     assert "(timed while other processes took 0.8 of its CPU cores)" in lines[0] and "busy" not in lines[1]
     print_summary(out, StudyOutcome(records=[busy, quiet], stop_reason="done", baseline=busy, best=quiet), 2**31)
-    assert "warning: timings taken while other processes took the trials' CPU cores (up to 0.8): 1 of 2;" in out.export_text()
+    assert "warning: timings taken while other processes took the trials' CPU cores (up to 0.8): 1 of 2," in out.export_text()
 
 
 def test_the_summary_marks_a_headroom_short_of_the_margin():
