@@ -438,7 +438,9 @@ def print_profile(out: Console, profile) -> None:
                       size, config_changes(p["config"]))
     out.print(table)
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
-    counts = ", ".join(count(s[key], noun) if noun else f"{s[key]} infeasible"
+    # in the summary's words: a trial measured, and of those the ones that cannot be picked
+    counts = ", ".join(count(s[key], noun) + " measured" if noun else
+                       f"{s[key]} of them ruled out (failed, over the budget or below the quality guard)"
                        for key, noun in (("trials", "trial"), ("infeasible", None)) if s.get(key) is not None)
     out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
               + (f": {counts}" if counts else ""))

@@ -996,7 +996,7 @@ def test_optional_sections_may_be_null(tmp_path):
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.threads is None and "batch 1" in show(profile)
     assert profile.measured_with() == {}  # verify replays with trial_request's defaults
-    assert "  study: s: 6 trials\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
+    assert "  study: s: 6 trials measured\n" in show(profile)  # no storage nor infeasible count: left out, not "None"
 
 
 def test_verify_replays_with_what_the_profile_recorded_of_its_measurement(tmp_path):
