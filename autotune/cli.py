@@ -697,7 +697,7 @@ def _check_output_replaceable(output: Path, study_name: str, default_named: bool
     from .errors import AutotuneError, first_line
     from .profile import load_profile
 
-    if not output.is_file():
+    if not output.is_file() or output.stat().st_size == 0:  # an empty file (mktemp's) holds nothing to lose
         return None
     instead = "name this run's profile with -o" if default_named else "name another file with -o"
     try:
@@ -1033,6 +1033,8 @@ def _export(argv: list[str]) -> int:
     if args.output:  # before the summary is printed: a path that takes no file is the one line
         _check_not_the_storage(args.output, storage)
         check_writable(args.output)
+        if args.study_name:
+            _check_output_replaceable(args.output, args.study_name, default_named=False)
     check_file(storage, must_exist=False)  # not a URL, a folder: said as they are
     try:  # no storage file yet: "no study", with a hint where it is the default one
         check_file(storage, hint="" if args.storage or args.workdir else WORKDIR_HINT)
@@ -1072,20 +1074,21 @@ def _list_studies(backend, storage: str) -> None:
     import optuna
 
     from .console import count
+    from .errors import AutotuneError
     from .sizes import format_size
-    from .study import summarize
+    from .study import request_of, summarize
 
     summaries = optuna.get_all_study_summaries(backend, include_best_trial=False)
     print(f"studies in {display_url(storage)}:" if summaries else f"no study in {display_url(storage)}")
     for summary in summaries:
-        request = summary.user_attrs.get("request") or {}
-        model = (request.get("model") or {}).get("name")
-        if model and request.get("budget_bytes"):  # autotune's: its measured trials, as its summary counts them
-            measured = summarize(optuna.load_study(study_name=summary.study_name, storage=backend)).counts["trials"]
-            what = (f"{model}, {request.get('device')}, budget {format_size(request['budget_bytes'])}, "
-                    f"{count(measured, 'trial')} measured")
+        study = optuna.load_study(study_name=summary.study_name, storage=backend)
+        try:  # as export reads it: a study listed as autotune's is one export writes a profile of
+            request = request_of(study, storage)
+        except AutotuneError:
+            what = f"{count(summary.n_trials, 'trial')}, not one autotune can export"
         else:
-            what = f"{count(summary.n_trials, 'trial')}, not autotune's"
+            what = (f"{request.spec.name}, {request.target.device}, budget {format_size(request.budget_bytes)}, "
+                    f"{count(summarize(study).counts['trials'], 'trial')} measured")
         print(f"  {summary.study_name}  ({what})")
 
 

@@ -101,7 +101,7 @@ def print_space(space, target, out: Console | None = None) -> None:
         out.print("dropped on this machine:")
         for d in space.dropped:
             out.print(f"  - {d}")
-    rules = [str(r) for r in space.forbid]
+    rules = [_rule_text(r) for r in space.forbid]
     if rules:
         out.print("forbidden combinations: " + "; ".join(rules))
     conflicts = space.conflicts_here()
@@ -400,7 +400,8 @@ def front_sizes(peaks: list[int]) -> list[str]:
     ("859.52 MiB" twice, a few KiB apart) with what it holds more: a faster point listed at the
     same size looked like a front that kept a dominated point."""
     sizes = [format_size(p) for p in peaks]
-    return [f"{size} (+{format_size(peak - peaks[i - 1])})" if i and size == sizes[i - 1] else size
+    return [f"{size} (+{format_size(peak - peaks[i - 1])})" if i and size == sizes[i - 1] and peak > peaks[i - 1]
+            else size
             for i, (size, peak) in enumerate(zip(sizes, peaks))]
 
 
@@ -440,7 +441,8 @@ def print_profile(out: Console, profile) -> None:
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
     # in the summary's words: a trial measured, and of those the ones that cannot be picked
     counts = ", ".join(count(s[key], noun) + " measured" if noun else
-                       f"{s[key]} of them ruled out (failed, over the budget or below the quality guard)"
+                       f"{s[key]} of them ruled out (failed, over the budget, below the quality guard, or "
+                       "failed when measured again)"
                        for key, noun in (("trials", "trial"), ("infeasible", None)) if s.get(key) is not None)
     out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
               + (f": {counts}" if counts else ""))

@@ -639,7 +639,7 @@ def _check_point(point, where: str, path, hint: str = "") -> None:
 
 def validate(data, path) -> None:
     if not data:
-        raise ProfileError(f"profile {path}: the file is empty")
+        raise ProfileError(f"profile {path}: the file holds no data (empty, or comments only)")
     if not isinstance(data, dict) or "autotune_profile" not in data:
         raise ProfileError(f"profile {path}: not an autotune profile (no 'autotune_profile' key)")
     version = data["autotune_profile"]

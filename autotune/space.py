@@ -56,15 +56,6 @@ class Dropped:
         return f"{self.knob}={self.value}: {self.reason}"
 
 
-def _never_drawn(dim: Dimension, rule: dict[str, list]) -> bool:
-    """Whether a partial config (each knob's values listed) asks `dim` for a value other than its
-    default where its `when` leaves it at the default: `compile_vae: true` with `compile: none`."""
-    if not dim.when or CATALOGUE[dim.name].default in rule[dim.name]:
-        return False
-    return any(not any(matches({name: wanted}, {name: v}) for v in rule[name])
-               for name, wanted in dim.when.items() if name in rule)
-
-
 @dataclass
 class SearchSpace:
     dimensions: list[Dimension]
@@ -137,23 +128,29 @@ class SearchSpace:
 
     def conflicts_here(self) -> list[tuple[dict, str]]:
         """The known conflicts (knobs.CONFLICTS) that can forbid a config of this space, each
-        narrowed to the choices searched here, with its reason: a rule bites where every knob it
-        names can take one of its values here (a knob not searched holds its default), it holds
-        for this family, and no knob's `when` rules out what the rule names (`compile_vae` with
-        `compile: none` is never drawn). For `--list-knobs`: what is never measured together, and why."""
+        narrowed to the choices searched here, with its reason: a rule bites where it holds for
+        this family and some config this space draws (`normalize`: a knob outside the space at
+        its default, one whose `when` fails at its default) matches it. For `--list-knobs`:
+        what is never measured together, and why."""
         dims = {d.name: d for d in self.dimensions}
+
+        def choices(name: str) -> tuple:
+            return dims[name].choices if name in dims else (CATALOGUE[name].default,)
+
         here = []
         for rule, reason in CONFLICTS:
             if not matches({k: v for k, v in rule.items() if k == "family"}, {}, self.family):
                 continue
-            narrowed = {}
-            for name, wanted in rule.items():
-                if name != "family":
-                    values = wanted if isinstance(wanted, list) else [wanted]
-                    choices = dims[name].choices if name in dims else (CATALOGUE[name].default,)
-                    narrowed[name] = [v for v in choices if v in values]
-            never_drawn = any(_never_drawn(dims[name], narrowed) for name in narrowed if name in dims)
-            if all(narrowed.values()) and any(name in dims for name in narrowed) and not never_drawn:
+            narrowed = {name: [v for v in choices(name) if v in (wanted if isinstance(wanted, list) else [wanted])]
+                        for name, wanted in rule.items() if name != "family"}
+            if not all(narrowed.values()) or not any(name in dims for name in narrowed):
+                continue
+            # the rule's knobs, and those their `when` conditions read (and theirs), drawn every way
+            names = list(narrowed)
+            for name in names:
+                names += [k for k in (dims[name].when or {} if name in dims else {}) if k not in names]
+            axes = [narrowed.get(name) or choices(name) for name in names]
+            if any(matches(narrowed, self.normalize(dict(zip(names, drawn)))) for drawn in itertools.product(*axes)):
                 here.append(({k: v[0] if len(v) == 1 else v for k, v in narrowed.items()}, reason))
         return here
 

@@ -314,7 +314,7 @@ def test_a_journal_with_a_line_that_is_no_record_names_the_line(cli, tmp_path):
     assert journal.read_text().endswith('"worker_id"')  # a reader changes nothing
 
 
-def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_path):
+def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_path, monkeypatch):
     """A run killed while writing (or a full disk) leaves a last line without its newline. The
     next run's first record was appended onto it: one line that is no record in the middle of
     the file, a traceback, and the study unreadable from then on (helper 70). The cut part is
@@ -342,9 +342,16 @@ def test_a_journal_cut_short_mid_record_is_mended_before_a_run_writes_to_it(tmp_
     assert aside.read_bytes() == cut  # nothing lost
     assert not list(tmp_path.glob("j.log.lock"))  # Optuna's lock given back
 
-    # a second cut record set aside in the same second keeps its own file (it replaced the first)
-    assert storages._new_file_beside(journal, aside.name.split(".")[-1]).name == aside.name + "-2"
-    assert aside.read_bytes() == cut
+    # a second cut record set aside in the same second keeps its own file (it replaced the
+    # first): the clock held at the first one's second, for the length of one open_storage
+    again = b'{"op_code":5,"worker_id":"b","tri'
+    journal.write_bytes(journal.read_bytes() + again)
+    second = int(aside.name.rsplit("-", 1)[1])
+    with monkeypatch.context() as held:
+        held.setattr(storages.time, "time", lambda: second + 0.5)
+        with pytest.warns(UserWarning, match=rf"set aside in j\.log\.cut-{second}-2"):
+            storages.open_storage(url)
+    assert aside.read_bytes() == cut and (tmp_path / f"{aside.name}-2").read_bytes() == again
 
     # the very first record cut short (the first write killed): set aside too, not "no journal"
     first = tmp_path / "first.log"
@@ -381,18 +388,29 @@ def test_export_of_a_study_not_there_names_those_that_are(cli, tmp_path):
 
 
 def test_export_without_a_study_name_lists_the_studies_it_could_export(cli, tmp_path):
-    """`export` needs a study's name, which holds a digest, and nothing listed them (helper-2)."""
+    """`export` needs a study's name, which holds a digest, and nothing listed them (helper-2).
+    A study is listed as autotune's where export can write its profile (helper-4: a partial
+    request was listed so, and export then refused it; a request of another shape was a traceback)."""
     import optuna
 
+    from autotune.models import resolve_model
+
     url = f"sqlite:///{tmp_path / 's.db'}"
-    ours = optuna.create_study(study_name="tiny-sd15-cpu-2GB-abc", storage=url)
-    ours.set_user_attr("request", {"model": {"name": "tiny-sd15"}, "device": "cpu", "budget_bytes": 2**31})
+    spec = resolve_model("tiny-sd15")
+    request = {"model": spec.to_dict(), "workload": spec.default_workload.to_dict(), "budget_bytes": 2**31,
+               "device": "cpu", "family": "sd15", "margin": "5%", "repeats": 3, "max_calls": 10,
+               "spread_limit": 0.05, "warmup": 1, "threads": 1, "min_psnr_db": None}
+    optuna.create_study(study_name="tiny-sd15-cpu-2GB-abc", storage=url).set_user_attr("request", request)
     optuna.create_study(study_name="plain", storage=url).enqueue_trial({"x": 1})  # Optuna's own
+    optuna.create_study(study_name="partial", storage=url).set_user_attr("request", {"model": {"name": "x"}})
+    optuna.create_study(study_name="web", storage=url).set_user_attr("request", "GET /predict")
     proc = cli("export", "--storage", "sqlite:///s.db")
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.splitlines() == ["studies in sqlite:///s.db:",
                                         "  tiny-sd15-cpu-2GB-abc  (tiny-sd15, cpu, budget 2.00 GiB, 0 trials measured)",
-                                        "  plain  (1 trial, not autotune's)"], proc.stdout
+                                        "  plain  (1 trial, not one autotune can export)",
+                                        "  partial  (0 trials, not one autotune can export)",
+                                        "  web  (0 trials, not one autotune can export)"], proc.stdout
     assert one_line_error(proc) == "autotune export: name the study to export with --study-name"
 
 
@@ -984,6 +1002,15 @@ def test_an_output_named_with_o_is_never_a_file_of_the_users_and_another_profile
     assert f"note: served.yaml holds the profile of study {tall}: this run's profile will replace it" in proc.stdout
     assert f"replaced the profile of study {tall} in served.yaml" in proc.stdout
     assert yaml.safe_load((tmp_path / "served.yaml").read_text())["study"]["name"] != tall
+    # export is held to the same rule, before it prints the study's summary (helper-4)
+    proc = cli("export", "--study-name", tall, "-o", "notes.md")
+    assert "notes.md holds a file this autotune does not read as a profile" in one_line_error(proc)
+    assert proc.stdout == "" and (tmp_path / "notes.md").read_text() == "# my notes\n"
+    # an empty file (mktemp's) holds nothing to lose
+    from autotune.cli import _check_output_replaceable
+
+    (tmp_path / "empty.yaml").touch()
+    assert _check_output_replaceable(tmp_path / "empty.yaml", "mine", default_named=False) is None
 
 
 @pytest.mark.slow

@@ -1,4 +1,3 @@
-import io
 """Comparing studies: two real tiny studies, the notebook executed on them, `autotune report`.
 
 The charts are checked against the studies' data read straight from the Optuna storage here (not
@@ -6,6 +5,7 @@ through autotune.report): the drawn fronts, budgets, timeline bars and importanc
 the measured trials."""
 
 import base64
+import io
 import json
 import re
 import statistics

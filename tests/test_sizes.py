@@ -107,3 +107,4 @@ def test_a_front_says_how_much_more_a_point_holds_where_its_size_reads_as_the_on
     peaks = [859 * mib, 859 * mib + 4096, 859 * mib + 8192, 861 * mib]
     assert front_sizes(peaks) == ["859.00 MiB", "859.00 MiB (+4.00 KiB)", "859.01 MiB", "861.00 MiB"]
     assert front_sizes([]) == []
+    assert front_sizes([859 * mib, 859 * mib]) == ["859.00 MiB", "859.00 MiB"]  # a best off the front, at a peak on it

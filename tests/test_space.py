@@ -415,6 +415,11 @@ def test_the_listing_names_the_known_conflicts_that_can_bite_here():
     # nor one that sets a knob its `when` leaves at the default (compile_vae without compile)
     assert not [r for r in here if "cache" in r or "layerwise_casting" in r]
     assert not [r for r in here if "'compile': 'none'" in r]
+    # nor one on a knob whose `when` reads a knob this machine dropped (compile, on a CPU here):
+    # compile_fullgraph is never drawn (helper-4)
+    uncompiled = SearchSpace([d for d in space.dimensions if d.name != "compile"], family="sdxl")
+    assert not [r for r, _ in uncompiled.conflicts_here() if "compile_fullgraph" in r]
+    assert {"fuse_qkv": True, "attention": "sliced"} in [r for r, _ in uncompiled.conflicts_here()]
     # a rule narrowed to other families is not listed for this one
     flux = SearchSpace(space.dimensions, family="flux")
     assert "{'fuse_qkv': True, 'attention': 'xformers'}" not in {str(r) for r, _ in flux.conflicts_here()}

@@ -37,8 +37,8 @@ class DroppedProjection(torch.nn.Module):
         raise RuntimeError(
             f"this projection was fused into {self.fused_into} and dropped by an autotune profile's fuse_qkv: what "
             "calls it (unfusing, or an attention processor set after the profile was applied: attention slicing, "
-            "xFormers, an IP-Adapter) cannot run on this pipeline; load the pipeline again and add such things "
-            "before applying the profile, or use a point of the profile without fuse_qkv")
+            "xFormers, an IP-Adapter) cannot run on this pipeline; for those, serve a configuration without "
+            "fuse_qkv (another point of the profile's front, or a study tuned without it)")
 
 
 def drop_unfused_projections(model: torch.nn.Module) -> int:
