@@ -111,12 +111,11 @@ def print_space(space, target, out: Console | None = None) -> None:
             out.print(f"  - {_rule_text(rule)}: {reason}")
     seeds = space.seed_configs()
     if seeds:
-        out.print("seeds, measured first after the baseline: "
+        out.print("seeds (the space's starting configs), measured first after the baseline: "
                   + "; ".join(config_changes(c) for c in seeds))
     if len(seeds) < len(space.seeds):  # said, not silent: a seed naming what is not searched here
-        out.print(f"{len(space.seeds) - len(seeds)} of the space's {len(space.seeds)} seeds left out: "
-                  "reduced to choices searched here, they became the baseline, a forbidden config or "
-                  "another seed")
+        out.print(f"{len(space.seeds) - len(seeds)} of the space's {len(space.seeds)} seeds not measured here: "
+                  "reduced to the choices this machine searches, each is the baseline, forbidden, or another seed")
 
 
 def _workload_text(w) -> str:

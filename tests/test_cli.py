@@ -489,8 +489,8 @@ def test_list_knobs_says_how_many_seeds_were_left_out(cli, tmp_path):
     (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\n"
                                      "seeds:\n  - {channels_last: true}\n  - {dtype: bfloat16}\n")
     out = cli("--model", "tiny-sd15", "--space", "s.yaml", "--list-knobs").stdout
-    assert "seeds, measured first after the baseline: dtype=bfloat16" in out
-    assert "1 of the space's 2 seeds left out" in out  # channels_last is not searched: the baseline
+    assert "seeds (the space's starting configs), measured first after the baseline: dtype=bfloat16" in out
+    assert "1 of the space's 2 seeds not measured here" in out  # channels_last is not searched: the baseline
 
 
 def test_list_knobs_piped_lays_the_table_out_wider_than_a_terminal(tmp_path):
