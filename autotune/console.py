@@ -144,9 +144,9 @@ class RuledOutWords(NamedTuple):
 # says them in sentences of its own, with the guard's threshold)
 RULED_OUT_SAID = {"budget": RuledOutWords("over budget", "over the budget", "over budget"),
                   "forbidden": RuledOutWords("a combination this autotune now forbids",
-                                             "that fit now forbidden by the rules", "forbidden now"),
-                  "quality": RuledOutWords("below the quality guard", "that fit below the quality guard", "low quality"),
-                  "failed again": RuledOutWords("failed when measured again", "that fit failed when measured again",
+                                             "fit but are now forbidden by the rules", "forbidden now"),
+                  "quality": RuledOutWords("below the quality guard", "fit but fell below the quality guard", "low quality"),
+                  "failed again": RuledOutWords("failed when measured again", "fit but failed when measured again",
                                                 "failed again")}
 
 
@@ -309,7 +309,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     # one reason each (TrialRecord.ruled_out_by), as the no-fit error counts them
     by_reason = Counter(r.ruled_out_by for r in outcome.records)
     ruled_out = [f"{by_reason[reason]} {said.counted}" for reason, said in RULED_OUT_SAID.items() if by_reason[reason]]
-    statuses = f" ({by_status}{'; of those ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
+    statuses = f" ({by_status}{'; of those, ' + ', '.join(ruled_out) if ruled_out else ''})" if by_status else ""
     out.print(f"trials measured: {outcome.counts.get('trials', 0)}{statuses}{not_measured}")
     table = Table(title=f"baseline vs best within {format_size(budget_bytes)} "
                   f"(peak + {format_size(margin_bytes)} margin)")
@@ -342,14 +342,25 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
     out.print(table)
     for line in configs:
         out.print(line)
+    confirmed = sorted((r for r in outcome.records if r.confirmations and r.latency_s is not None),
+                       key=lambda r: r.latency_s)
+    if confirmed:  # why a config that fits lost: its median, not only the pick's
+        out.print("measured again (each config's median, and the range of its trials): " + "; ".join(
+            f"trial {r.number} {r.latency_s:.3f} s ({min(r.latencies_s):.3f}-{max(r.latencies_s):.3f})"
+            + (f" {RULED_OUT_SAID[r.ruled_out_by].trial_line}" if r.ruled_out_by else "")
+            + (" (the pick)" if outcome.best is not None and r.number == outcome.best.number else "")
+            for r in confirmed))
     if getattr(outcome, "choice_note", None):
         out.print(f"choice: {outcome.choice_note}")
     if getattr(outcome, "ruled_out_note", None):
         out.print(f"note: {outcome.ruled_out_note}")
     if outcome.front:  # printed with one point too: its absence read as a summary cut short
         sizes = front_sizes([r.peak_memory_bytes for r in outcome.front])
+        off_front = outcome.best is not None and outcome.best.number not in {r.number for r in outcome.front}
         out.print("feasible Pareto front (memory -> latency): " + "; ".join(
-            f"{size} -> {r.latency_s:.3f} s" for size, r in zip(sizes, outcome.front)))
+            f"{size} -> {r.latency_s:.3f} s" for size, r in zip(sizes, outcome.front))
+            + (f" (the pick, trial {outcome.best.number}, is not on it: kept within noise, as the choice line says)"
+               if off_front else ""))
     busy = busy_timings(outcome)
     if busy:
         out.print(busy)

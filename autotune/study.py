@@ -795,8 +795,8 @@ def _shown(key: str, value) -> str:
 
 def _space_difference(held: dict, asked: dict) -> str:
     changed = sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
-    return (f"the search space ({', '.join(changed)} searched differently; an autotune update may have "
-            "changed its shipped spaces)")
+    # no guess at the cause: a --space of the user's, or an autotune update of the shipped spaces
+    return f"the search space: {', '.join(changed)} searched differently"
 
 
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:

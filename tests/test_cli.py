@@ -1098,12 +1098,12 @@ def test_a_changed_space_says_what_changed_and_names_the_earlier_study(cli, tmp_
     (tmp_path / "small.yaml").write_text(SMALL_SPACE + "  fuse_qkv: [false, true]\n")
     line = one_line_error(cli(*CHEAP, "--vram", "2GB"))
     assert line.startswith(f"autotune: error: tiny-sd15-2GB.yaml holds the profile of another run (study {earlier}, "
-                           "measured under other settings (the search space (fuse_qkv searched differently"), line
+                           "measured under other settings (the search space: fuse_qkv searched differently"), line
     proc = cli(*CHEAP, "--vram", "2GB", "-o", "new.yaml")
     assert proc.returncode == 0, proc.stderr
     note = " ".join(proc.stdout.split())  # rich wraps long lines
     assert (f"note: this storage holds study {earlier} (1 measured trial) of the same model, size and budget, "
-            "measured under other settings (the search space (fuse_qkv searched differently") in note, note
+            "measured under other settings (the search space: fuse_qkv searched differently") in note, note
     assert f"--warm-start {earlier} would measure" in note
     # resumed: its own study, no note
     proc = cli(*CHEAP, "--vram", "2GB", "-o", "new.yaml")
@@ -1363,7 +1363,7 @@ def test_the_summary_counts_a_trial_over_the_budget_and_below_the_guard_once():
                            counts={"trials": 3, "by_status": {"ok": 3}})
     out = Console(markup=False, record=True, width=200)
     print_summary(out, outcome, 1000 * MiB, 0)
-    assert "trials measured: 3 (ok 3; of those 1 over the budget, 1 that fit below the quality guard)" \
+    assert "trials measured: 3 (ok 3; of those, 1 over the budget, 1 fit but fell below the quality guard)" \
         in out.export_text()
 
 
@@ -1452,7 +1452,7 @@ def test_no_fit_says_when_configs_that_fit_failed_when_measured_again(tmp_path, 
             ) in capsys.readouterr().err
     out = Console(markup=False, record=True, width=200)
     print_summary(out, outcome, 2 * 2**30, 0)
-    assert "trials measured: 2 (ok 2; of those 2 that fit failed when measured again)" in out.export_text()
+    assert "trials measured: 2 (ok 2; of those, 2 fit but failed when measured again)" in out.export_text()
 
 
 @pytest.mark.slow
