@@ -925,6 +925,7 @@ def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step:
         on_step("reference calls: the float32 output the quality guard compares with"
                 + (", and one bfloat16 call" if guard is None and req.min_psnr_db == "auto" or seeds_in_bfloat16 else ""))
         calibration = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
+        _say_if_busy(calibration, on_step)
         if guard is None:
             study.set_user_attr("quality_guard", calibration)
         return calibration
@@ -933,11 +934,21 @@ def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step:
         on_step("reference calls: one float32 and one bfloat16 call, whose times say which precision the seeds take")
         try:
             calibration = reference_calls(req, measure, threshold=False, time_bfloat16=True)
+            _say_if_busy(calibration, on_step)
             study.set_user_attr("precision_probe", calibration)
             return calibration
         except AutotuneError:
             pass  # the seeds keep their precision; the baseline trial shows what fails here
     return kept
+
+
+def _say_if_busy(calibration: dict, on_step: Callable[[str], None]) -> None:
+    """A line where the reference calls were timed beside other processes' work, as a trial's line
+    says it: their times then decide nothing (machine_seeds keeps the seeds' precision)."""
+    busy = busy_cores(calibration)
+    if busy:
+        on_step(f"  the reference calls were timed while other processes took {busy:.1f} of the CPU cores: "
+                "their times do not decide the seeds' precision")
 
 
 def _queue_seeds(study: optuna.Study, req: TuneRequest, calibration: dict, warm: list[Config]) -> None:
