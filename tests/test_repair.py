@@ -114,6 +114,11 @@ def test_nothing_is_repaired_that_is_slower_than_what_fits_or_below_the_guard():
     assert repair.next_repair(barely_faster, set(), CPU_SPACE, is_cuda=False) is None  # savers cost more than 3%
     lossy = [record(0, {"dtype": "bfloat16"}, latency=2.0, peak_over=-0.1), record(1, FAST, quality_ok=False)]
     assert repair.next_repair(lossy, set(), CPU_SPACE, is_cuda=False) is None
+    # nor one this autotune's rules forbid since it was measured: every saver would keep the rule broken
+    forbidden = record(1, FAST)
+    forbidden.forbidden_now = "a rule added since"
+    assert repair.next_repair([lossy[0], forbidden], set(), CPU_SPACE, is_cuda=False) is None
+    assert repair.next_repair([lossy[0], record(1, FAST)], set(), CPU_SPACE, is_cuda=False) is not None
 
 
 def test_a_config_the_study_would_skip_unmeasured_is_not_proposed_and_the_chain_goes_on_from_the_trial_that_rules_it_out():
