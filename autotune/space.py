@@ -147,8 +147,9 @@ class SearchSpace:
                 continue
             # the rule's knobs, and those their `when` conditions read (and theirs), drawn every way
             names = list(narrowed)
-            for name in names:
-                names += [k for k in (dims[name].when or {} if name in dims else {}) if k not in names]
+            for name in names:  # grows as it goes: a `when` parent's own parents are read too
+                when = dims[name].when if name in dims else None
+                names += [k for k in when or {} if k not in names]
             axes = [narrowed.get(name) or choices(name) for name in names]
             if any(matches(narrowed, self.normalize(dict(zip(names, drawn)))) for drawn in itertools.product(*axes)):
                 here.append(({k: v[0] if len(v) == 1 else v for k, v in narrowed.items()}, reason))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import math
 import os
 import re
@@ -399,14 +398,14 @@ def _check_journal(url: str, path: Path) -> None:
 def _new_file_beside(path: Path, suffix: str) -> Path:
     """A file made empty beside `path`, named PATH.SUFFIX, or PATH.SUFFIX-2 and on where that
     exists: two cut records set aside within one second each keep their own."""
-    for n in itertools.count(1):
-        candidate = path.with_name(f"{path.name}.{suffix}" + (f"-{n}" if n > 1 else ""))
+    candidate, n = path.with_name(f"{path.name}.{suffix}"), 1
+    while True:
         try:
-            candidate.open("xb").close()
+            candidate.open("xb").close()  # exclusive: made here, or FileExistsError
             return candidate
         except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
+            n += 1
+            candidate = path.with_name(f"{path.name}.{suffix}-{n}")
 
 
 def _set_aside_a_cut_last_line(url: str, path: Path) -> None:
