@@ -451,8 +451,8 @@ def print_profile(out: Console, profile) -> None:
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
     # in the summary's words: a trial measured, and of those the ones that cannot be picked
     counts = ", ".join(count(s[key], noun) + " measured" if noun else
-                       f"{s[key]} of them ruled out (failed, over the budget, below the quality guard, or "
-                       "failed when measured again)"
+                       f"{s[key]} of them failed or cannot be picked (over the budget, below the quality guard, "
+                       "failed when measured again, or now forbidden)"
                        for key, noun in (("trials", "trial"), ("infeasible", None)) if s.get(key) is not None)
     out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
               + (f": {counts}" if counts else ""))
