@@ -65,7 +65,8 @@ CLASS_COLORS = {
     "confirmation": "#1f77b4",  # the confirmation phase: contenders measured again, in alternation
 }
 # How a class is said in the legend and the overview: "ok" beside "ok 16" on the console (every
-# trial that ran) would read as the same count; a study's confirmation phase is one bar.
+# trial that ran) would read as the same count; a study's confirmation phase is one bar, its
+# trials counted beside it.
 CLASS_NAMES = {worker.OK: "ran and fits", "confirmation": "confirmation phase", "failed again": "failed when measured again"}
 # timeline bars that are not the search's measurements: an interrupted trial's config is queued
 # again and measured in a later trial
@@ -119,6 +120,7 @@ class StudyData:
     best: Point | None = None
     baseline: Point | None = None
     timeline: list[Span] = field(default_factory=list)
+    measured_again: int = 0  # the confirmation phase's trials: contenders measured again
     source: str = "study"  # or "profile"
     origin: str = ""  # the profile file's name, for a profile
     image_root: Path | None = None  # where relative result["image"] paths start
@@ -283,6 +285,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         best=_point(outcome.best) if outcome.best else None,
         baseline=_point(outcome.baseline) if outcome.baseline else None,
         timeline=_timeline(trials, outcome.records),
+        measured_again=sum(len(r.confirmations) for r in outcome.records),
         image_root=path.resolve().parent if path else None,
         trials=[t for t in trials if t.number in measured],
     )
@@ -811,12 +814,16 @@ def plot_best_vs_budget(studies: list[StudyData]):
     drawn: list[float] = []  # the latencies on the chart: they choose its scale
     labels: list[tuple] = []  # the budget dots' labels: written once the scale is known
     for s, color in zip(studies, _colors(len(studies))):
+        off_axis = ""  # a budget far right of every point: its dot would squeeze the curves, so said here
+        if s.budget_bytes and s.budget_bytes > 1.5 * top:
+            off_axis = f"\n(budget {_size_text(s.budget_bytes)}, off the axis" + (
+                f": picked {s.best.latency_s:.3f} s)" if s.best else ")")
         if s.front:
             right = min(s.budget_bytes or edge, edge)
             xs = [fits_from(s, p) for p in s.front] + [max(right, fits_from(s, s.front[-1]))]
             ys = [p.latency_s for p in s.front] + [s.front[-1].latency_s]
             ax.plot([x / scale for x in xs], ys, color=color, drawstyle="steps-post", lw=2,
-                    label=s.label, gid=f"budget-curve:{s.label}")
+                    label=s.label + off_axis, gid=f"budget-curve:{s.label}")
             drawn += ys
             last = s.front[-1]  # measured over the budget: what more memory would buy, from here
             over = [last] + [p for p in _unbudgeted_front(s.points)
@@ -826,14 +833,18 @@ def plot_best_vs_budget(studies: list[StudyData]):
         if len(over) > (1 if s.front else 0):
             ax.plot([fits_from(s, p) / scale for p in over], [p.latency_s for p in over], color=color,
                     ls=":", drawstyle="steps-post", marker=".",  # the last step has no width: its point shows
-                    label=None if s.front else f"{s.label}: nothing fits", gid=f"over-budget:{s.label}")
+                    label=None if s.front else f"{s.label}: nothing fits{off_axis}", gid=f"over-budget:{s.label}")
             drawn += [p.latency_s for p in over]
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
             ax.plot([s.budget_bytes / scale], [s.best.latency_s], "o", color=color, ms=8,
                     gid=f"at-budget:{s.label}")
             drawn.append(s.best.latency_s)
             speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
-            labels.append((f"{s.best.latency_s:.3f} s{speed}", (s.budget_bytes / scale, s.best.latency_s),
+            fastest = best_under(s, s.budget_bytes)
+            # the pick was kept over a faster config within noise: the dot stands above the curve
+            kept = (f"\npicked within noise of trial {fastest.trial}'s {fastest.latency_s:.3f} s"
+                    if fastest and fastest.trial != s.best.trial and fastest.latency_s < s.best.latency_s else "")
+            labels.append((f"{s.best.latency_s:.3f} s{speed}{kept}", (s.budget_bytes / scale, s.best.latency_s),
                            s.budget_bytes > edge / 2, color))  # leftwards right of the middle: not cut off
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
@@ -962,6 +973,11 @@ def plot_importances(studies: list[StudyData]):
     return fig
 
 
+def _counted(kind: str, bars: int, measured_again: int) -> str:
+    """A timeline class's count as said: a confirmation phase is one bar of many trials."""
+    return f"{bars}: {count(measured_again, 'trial')}" if kind == "confirmation" else str(bars)
+
+
 @_drawn_when_measured
 @_labels_as_written
 def plot_timeline(studies: list[StudyData]):
@@ -987,7 +1003,8 @@ def plot_timeline(studies: list[StudyData]):
             ax.text(0, row, "  no trials here (a profile without its study)", va="center", fontsize=8)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=CLASS_COLORS[k], label=f"{CLASS_NAMES.get(k, k)} ({total[k]})")
+    again = sum(s.measured_again for s in studies)
+    handles = [Patch(color=CLASS_COLORS[k], label=f"{CLASS_NAMES.get(k, k)} ({_counted(k, total[k], again)})")
                for k in CLASS_COLORS if k in total]
     if cut:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
@@ -1059,7 +1076,8 @@ def overview_html(studies: list[StudyData]) -> str:
     """What was loaded: one line per study, and the notes (missing storages, too few trials)."""
     items = []
     for s in studies:
-        counts = ", ".join(f"{CLASS_NAMES.get(k, k)} {n}" for k, n in sorted(s.counts.items())) or "no trials"
+        counts = ", ".join(f"{CLASS_NAMES.get(k, k)} {_counted(k, n, s.measured_again)}"
+                           for k, n in sorted(s.counts.items())) or "no trials"
         where = display_url(s.storage) if s.storage else "no storage"  # never a password
         items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "
                      f"{html.escape(where)} ({s.source}); {html.escape(counts)}</li>")

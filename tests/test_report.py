@@ -349,6 +349,8 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
                                         state=TrialState.FAIL, user_attrs={})
     stopped.datetime_start, stopped.datetime_complete = t0 + timedelta(seconds=30), t0 + timedelta(seconds=35)
     study.add_trial(stopped)
+    fitted = {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * 2**20, "violation": -0.5}
+    study.set_user_attr("confirmations", {"0": [fitted, fitted], "1": [fitted, fitted]})  # the phase's trials
     (data,) = report.load(f"synthetic@{url}")
     spans = {sp.trial: (sp.kind, sp.start_s, sp.end_s) for sp in data.timeline}
     assert spans[4][0] == "known not to fit"  # synthetic_study's last trial
@@ -357,7 +359,9 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     fig = report.plot_timeline([data])
     # not 8 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
-    assert "confirmation phase (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    # one bar, and the four trials it measured again (it counted as one)
+    assert "confirmation phase (1: 4 trials)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "confirmation phase 1: 4 trials" in report.overview_html([data])
 
 
 def test_the_timeline_classes_a_trial_as_its_confirmations_rule_its_config_out(tmp_path):
@@ -443,6 +447,30 @@ def test_best_vs_budget_keeps_a_narrow_front_readable():
     assert [t for t in ax.get_yticklabels() if t.get_text()] and not ax.yaxis.get_offset_text().get_text()
     (label,) = ax.texts
     assert fig.bbox.contains(*label.get_window_extent(renderer).p1)
+
+
+def test_best_vs_budget_says_why_a_pick_stands_above_its_curve_and_names_a_budget_off_the_axis():
+    # a pick kept within noise over a faster config sat above the curve unexplained, and a budget
+    # far beyond every point was not drawn and not said
+    from autotune import report
+
+    MiB = 2**20
+    base = report.Point(0, {}, 0.35, 520 * MiB, baseline=True)
+    fast = report.Point(1, {"dtype": "bfloat16", "channels_last": True}, 0.100, 500 * MiB)
+    kept = report.Point(2, {"dtype": "bfloat16"}, 0.102, 505 * MiB)
+    near = cpu_study("near", 600 * MiB, 30 * MiB, points=[base, fast, kept], front=[fast], best=kept)
+    roomy = cpu_study("roomy", 64 * 1024 * MiB, 30 * MiB, points=[base, fast], front=[fast], best=fast)
+    fig = report.plot_best_vs_budget([near, roomy])
+    ax = fig.axes[0]
+    (label,) = [t.get_text() for t in ax.texts]
+    assert label.startswith("0.102 s (3.43x baseline)") and "picked within noise of trial 1's 0.100 s" in label
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["near", "roomy\n(budget 64.00 GiB, off the axis: picked 0.100 s)"]
+    assert "at-budget:roomy" not in [line.get_gid() for line in ax.lines]
+    # the pick on the curve: no such words
+    on_curve = cpu_study("on", 600 * MiB, 30 * MiB, points=[base, fast], front=[fast], best=fast)
+    (label,) = [t.get_text() for t in report.plot_best_vs_budget([on_curve]).axes[0].texts]
+    assert label == "0.100 s (3.50x baseline)"
 
 
 def test_budget_labels_of_studies_with_one_budget_and_close_latencies_do_not_cover_each_other():
@@ -841,7 +869,8 @@ def test_best_vs_budget_draws_a_study_where_nothing_fits_dotted_as_its_title_say
     assert line.get_linestyle() == ":"
     # the fastest measurement at each peak, the budget ignored: 500 MiB at 1.0 s beats 600 MiB at 2.0 s
     assert list(line.get_xdata()) == [500] and list(line.get_ydata()) == [1.0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{study.label}: nothing fits"]
+    # its 1 GiB budget lies far right of its points: said, not drawn
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{study.label}: nothing fits\n(budget 1.00 GiB, off the axis)"]
     # the fronts chart too: the study's colour had no key there (only its budget's entry, drawn
     # without a mark when the budget lay right of the chart)
     texts = [t.get_text() for t in report.plot_fronts([study]).axes[0].get_legend().get_texts()]
