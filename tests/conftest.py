@@ -28,6 +28,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def cpp_compiler():
+    """For a test that compiles and calls on the CPU: skipped, with autotune's own reason, where
+    inductor finds no C++ compiler (a slim image); there autotune drops compile from the space."""
+    from autotune.knobs.compile import _no_cpp_compiler
+
+    why = _no_cpp_compiler()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def cuda_host_compiler(monkeypatch):
+    """For a test of a CUDA target (a value: nothing runs on CUDA here): the GPU machine it stands
+    for has the C compiler Triton needs, whether or not this host does."""
+    from autotune.knobs import compile
+
+    monkeypatch.setattr(compile, "_no_c_compiler_for_triton", lambda: None)
+
+
+@pytest.fixture
 def cli(tmp_path):
     """Run the CLI in a fresh folder (the default storage and profile land there)."""
     return lambda *args, **kw: run_cli(*args, cwd=kw.pop("cwd", tmp_path), **kw)

@@ -285,7 +285,7 @@ def test_compile_wraps_the_denoiser_in_place():
 
 
 @pytest.mark.slow
-def test_compiled_denoiser_runs_on_the_cpu():
+def test_compiled_denoiser_runs_on_the_cpu(cpp_compiler):
     # A real inductor compile and call on the CPU, through the compile knob. Regional: the UNet's
     # repeated transformer block is compiled once (about 30 s cold on 2 cores, against about 60 s
     # for the whole UNet); test_catalogue.py checks what every compile choice wraps, and the GPU
