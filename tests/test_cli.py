@@ -700,7 +700,7 @@ def state_in_fresh_process(path, call=True):
 
 
 @pytest.mark.slow
-def test_a_written_profile_reproduces_its_state_in_a_fresh_process(cli, tmp_path):
+def test_a_written_profile_reproduces_its_state_in_a_fresh_process(cli, tmp_path, cpp_compiler):
     (tmp_path / "small.yaml").write_text(SMALL_SPACE)
     proc = cli("--model", "tiny-sd15", "--vram", "8GB", "--space", "small.yaml", "--trials", "2", "--repeats", "1",
                "--min-psnr", "0", *SMALL_WORKLOAD)

@@ -1144,7 +1144,7 @@ def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_
         profile.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
-def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_are_said(tmp_path):
+def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_are_said(tmp_path, cpp_compiler):
     """Inductor's flags and freezing, TF32 and cuDNN's benchmark are process-wide: a second
     profile's apply set them for the first's pipeline too, in silence (helper 66)."""
     from autotune.models import build_pipeline
@@ -1161,7 +1161,7 @@ def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_a
         second.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
-def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing(tmp_path):
+def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing(tmp_path, cpp_compiler):
     """Left at their defaults in an untouched process, freezing and the flags returned before
     being recorded: a second profile that set them warned of nothing (helper 69)."""
     from autotune.models import build_pipeline

@@ -515,7 +515,7 @@ def test_seeds_queued_by_a_later_run_take_the_precision_the_stopped_runs_calls_m
 
 
 @pytest.mark.parametrize("family", ["sd15", "flux"])
-def test_on_a_cpu_the_compiled_seed_freezes_its_weights_where_the_space_allows_it(family):
+def test_on_a_cpu_the_compiled_seed_freezes_its_weights_where_the_space_allows_it(family, cpp_compiler):
     from autotune.knobs import conflict
     from autotune.space import SHIPPED_DIR
 
