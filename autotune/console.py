@@ -230,6 +230,8 @@ class TrialProgress:
             what = f"{entry['latency_s']:.3f} s, {format_size(entry['peak_memory_bytes'])}"
             if entry["violation"] > 0:
                 what += " (over budget)"
+            if entry.get("cut_short"):
+                what += " (cut short: over twice its fastest figure)"
             what += _busy_note(entry)
         else:
             what = f"{entry['status']}: {entry['error']}"[:160] if entry.get("error") else entry["status"]
