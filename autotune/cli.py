@@ -494,6 +494,7 @@ def _tune(args, argv: list[str]) -> int:
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(measured_on), workload=workload)
     space = _space_here(args, spec, target)
     if args.list_knobs:
+        _threads(args)  # an option the run would refuse is refused here too
         console.print_space(space, target)
         return 0
     check_weights_here(spec)
@@ -606,9 +607,6 @@ def _space_here(args, spec, target):
 def _budget_margin_threads(args, machine: dict) -> tuple[int, int, int]:
     """The budget in bytes (the device's memory without --vram), the margin in bytes, and the CPU
     threads of every trial; a usage error where nothing could fit or the cores are too few."""
-    import torch
-
-    from . import fingerprint
     from .sizes import format_size, parse_margin
 
     # no --vram: the machine's memory, in whole MiB, so that the profile's name stays short
@@ -617,11 +615,20 @@ def _budget_margin_threads(args, machine: dict) -> tuple[int, int, int]:
     if margin >= budget:  # no peak could fit: every trial would be measured for nothing
         raise UsageError(f"--margin {args.margin} is not under the budget {format_size(budget)}: "
                          "nothing could fit")
+    return budget, margin, _threads(args)
+
+
+def _threads(args) -> int:
+    """The CPU threads of every trial; a usage error where the cores are too few."""
+    import torch
+
+    from . import fingerprint
+
     threads = args.threads or torch.get_num_threads()
     cores = fingerprint.usable_cores()
     if threads > cores:  # every call would fight for the cores: trials time out, nothing is learnt
         raise UsageError(f"--threads {threads}: autotune may use {cores} CPU cores here")
-    return budget, margin, threads
+    return threads
 
 
 def _storage_and_output(args, spec, budget: int) -> tuple[str, Path | None]:
@@ -1052,6 +1059,11 @@ def _export(argv: list[str]) -> int:
         held = f"it holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "it holds none"
         raise AutotuneError(f"no study {args.study_name!r} in {display_url(storage)} ({held})") from None
     request = request_of(study, storage)
+    output = args.output or default_profile_path(request.spec, request.budget_bytes)
+    if not args.output:  # a named one was checked before reading the study; this, before the summary
+        _check_not_the_storage(output, storage)
+        check_writable(output)
+        _check_output_replaceable(output, args.study_name, default_named=True)
     pending = unfinished(study)
     reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
     outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
@@ -1062,10 +1074,6 @@ def _export(argv: list[str]) -> int:
     if pending:
         out.print(f"warning: study {args.study_name} is not finished ({pending}): the profile holds the trials "
                   "measured so far; export again once its runs end")
-    output = args.output or default_profile_path(request.spec, request.budget_bytes)
-    if not args.output:  # a named one was checked before reading the study
-        _check_not_the_storage(output, storage)
-        check_writable(output)
     return _write_profile(out, request, outcome, output, default_named=not args.output)
 
 

@@ -840,6 +840,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         trials = study.get_trials(deepcopy=False)
         kept = len(_measured(trials))
         on_step(f"study {req.study_name} exists in this storage: " + (
+            f"its {count(kept, 'measured trial')} kept, as many as --trials {req.trials} asks: nothing more to "
+            "search (a higher --trials searches on)" if kept >= req.trials > 0 else
             f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
             else "no trial measured yet, the search starts there"))
         for config in _given_up(trials):

@@ -111,6 +111,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--vram", "8"], "'8' has no unit: did you mean 8GB?"),  # else 8 bytes, and a search for nothing
         (["--seed", str(2**70), "--trials", "1"], "--seed must be a whole number from -2**63"),
         (["--threads", "9999", "--trials", "1"], "--threads 9999: autotune may use"),
+        (["--threads", "9999", "--list-knobs"], "--threads 9999: autotune may use"),  # it listed, exit 0
         (["--study-name", "../../elsewhere", "--trials", "1"], "one folder name"),  # out of --workdir
         (["--storage", "sqlite://", "--trials", "1"], "keeps nothing after the run"),
         (["--storage", "sqlite:///nosuchdir/s.db", "--trials", "1"], "no such folder nosuchdir"),
@@ -937,8 +938,10 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
     assert cli(*CHEAP, "--vram", "2GB", "--height", "72", "-o", "tall.yaml").returncode == 0
     # export writes to the same default name: held to the same rule
     tall = yaml.safe_load((tmp_path / "tall.yaml").read_text())["study"]["name"]
-    line = one_line_error(cli("export", "--study-name", tall))
+    proc = cli("export", "--study-name", tall)
+    line = one_line_error(proc)
     assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run"), line
+    assert proc.stdout == ""  # refused before the study's summary, not after it (helper-6)
 
 
 @pytest.mark.slow

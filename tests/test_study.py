@@ -143,6 +143,21 @@ def test_a_disturbed_trial_is_measured_twice_again_once_a_quiet_trial_has_been_s
     assert len(calls) == 2 + 4 + 2
 
 
+def test_a_rerun_of_a_finished_study_says_there_is_nothing_more_to_search(tmp_path):
+    # it said "the search goes on from them", then "this run measured nothing" (helper-6)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    measure, measured = fake_measure(lambda c: 1.0)
+    req = request(SearchSpace(SPACE), tmp_path, trials=2, confirm_rounds=0, storage=url)
+    study.tune(req, measure=measure)
+    steps = []
+    study.tune(req, measure=measure, on_step=steps.append)
+    assert ("study s exists in this storage: its 2 measured trials kept, as many as --trials 2 asks: nothing "
+            "more to search (a higher --trials searches on)") in steps
+    steps.clear()
+    study.tune(replace(req, trials=3), measure=measure, on_step=steps.append)
+    assert "study s exists in this storage: its 2 measured trials kept, the search goes on from them" in steps
+
+
 def test_a_disturbed_trial_below_the_quality_guard_is_not_measured_again(tmp_path):
     # it can never be picked, whatever a second trial would time: the second trial was a waste
     clean = np.linspace(0, 1, 8 * 8 * 3, dtype=np.float32).reshape(1, 8, 8, 3)
