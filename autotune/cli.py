@@ -214,7 +214,8 @@ def tune_parser() -> argparse.ArgumentParser:
                    "repair has a step to measure)")
     s.add_argument("--confirm", type=_rounds, default=2, metavar="ROUNDS",
                    help="once the search stops, measure the fastest feasible configs (up to 3, and the "
-                   "baseline if it is close) again this many times each, in alternation; the pick is "
+                   "baseline if it is close) again this many times each, in alternation, and up to 3 "
+                   "timed only beside busy neighbours (twice at least); the pick is "
                    "the lowest median, or a config with fewer changes whose median is within the "
                    "fastest's spread (default 2; 0: keep the lowest single measurement)")
     s.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",
@@ -1059,14 +1060,15 @@ def _export(argv: list[str]) -> int:
         held = f"it holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "it holds none"
         raise AutotuneError(f"no study {args.study_name!r} in {display_url(storage)} ({held})") from None
     request = request_of(study, storage)
+    pending = unfinished(study)
+    reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
+    outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
     output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study; this, before the summary
         _check_not_the_storage(output, storage)
         check_writable(output)
-        _check_output_replaceable(output, args.study_name, default_named=True)
-    pending = unfinished(study)
-    reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
-    outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
+        if outcome.best is not None:  # else no profile is written, and the summary says why
+            _check_output_replaceable(output, args.study_name, default_named=True)
     out = console.terminal()
     out.print(f"study {args.study_name} in {display_url(storage)}: {request.spec.name}, "
               f"{request.target.device}, budget {format_size(request.budget_bytes)}")

@@ -351,7 +351,7 @@ class OtherCpuUse:
     """How many CPU cores other processes kept busy, on average, from construction to `cores()`,
     among the CPUs this process may run on (its affinity: a container's or a `taskset`'s, not
     the whole host's): their busy time (the kernel's, by psutil, hypervisor steal included) less
-    this process's own (every thread of it). A trial timed beside a busy neighbour runs slower
+    this process's own (every thread of it, and the processes it started: own_cpu_seconds). A trial timed beside a busy neighbour runs slower
     and noisier than it will serve on a quiet machine, and nothing in its own figures shows it."""
 
     def __init__(self):
@@ -365,8 +365,7 @@ class OtherCpuUse:
         cpus = [per_cpu[i] for i in self.allowed if i < len(per_cpu)] if self.allowed else per_cpu
         busy = sum(t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
                    for t in cpus)
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+        return time.perf_counter(), busy, own_cpu_seconds()
 
     def cores(self) -> float:
         (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._read()
@@ -380,6 +379,26 @@ class OtherCpuUse:
 
         spare = max(0, len(self.allowed) - torch.get_num_threads()) if self.allowed else 0
         return round(max(0.0, self.cores() - spare), 2)
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process and every process it started: its live descendants' (inductor's
+    compile workers, a g++ they run), and those ended and waited for. A compiling trial's
+    children are its own work, not a neighbour's: counted as others', a compiled trial cut short
+    in its warm-up read as disturbed."""
+    import psutil
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # ended meanwhile: in RUSAGE_CHILDREN once waited for
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def busy_cores(measured: dict) -> float | None:

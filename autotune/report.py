@@ -121,6 +121,7 @@ class StudyData:
     baseline: Point | None = None
     timeline: list[Span] = field(default_factory=list)
     measured_again: int = 0  # the confirmation phase's trials: contenders measured again
+    choice_note: str | None = None  # why a simpler config was kept over a lower median (study.choose_best)
     source: str = "study"  # or "profile"
     origin: str = ""  # the profile file's name, for a profile
     image_root: Path | None = None  # where relative result["image"] paths start
@@ -286,6 +287,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         baseline=_point(outcome.baseline) if outcome.baseline else None,
         timeline=_timeline(trials, outcome.records),
         measured_again=sum(len(r.confirmations) for r in outcome.records),
+        choice_note=outcome.choice_note,
         image_root=path.resolve().parent if path else None,
         trials=[t for t in trials if t.number in measured],
     )
@@ -320,6 +322,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
         model=d["model"], workload=d["workload"], device=d["machine"].get("device", "?"),
         budget_bytes=d["budget"]["memory_bytes"], margin=profile.margin, front=[_profile_point(p) for p in d["pareto"]], best=_profile_point(d["best"]),
         baseline=_profile_point(d.get("baseline"), baseline=True), source="profile", origin=path.name,
+        choice_note=study.get("choice"),
     )
     if data.baseline:  # the front and best fit by construction; the baseline may not
         data.baseline.feasible = profile.fits(data.baseline.peak_memory_bytes)
@@ -339,6 +342,7 @@ def load_profile_source(path: str | Path, label: str | None = None) -> StudyData
                                 f"{data.best.trial} is not the profile's best)")
                 continue
             data.points, data.timeline, data.trials = measured.points, measured.timeline, measured.trials
+            data.measured_again = measured.measured_again
             data.image_root, data.storage = measured.image_root, url
             picked = measured.best.trial if measured.best else None
             if data.best.trial is not None and picked != data.best.trial:
@@ -841,9 +845,10 @@ def plot_best_vs_budget(studies: list[StudyData]):
             drawn.append(s.best.latency_s)
             speed = f" ({s.speedup:.2f}x baseline)" if s.speedup else ""
             fastest = best_under(s, s.budget_bytes)
-            # the pick was kept over a faster config within noise: the dot stands above the curve
-            kept = (f"\npicked within noise of trial {fastest.trial}'s {fastest.latency_s:.3f} s"
-                    if fastest and fastest.trial != s.best.trial and fastest.latency_s < s.best.latency_s else "")
+            kept = ""  # why the dot stands above the curve: kept within noise, or the faster one not confirmed
+            if fastest and fastest.trial != s.best.trial and fastest.latency_s < s.best.latency_s:
+                kept = (f"\npicked within noise of trial {fastest.trial}'s {fastest.latency_s:.3f} s" if s.choice_note
+                        else f"\ntrial {fastest.trial}'s {fastest.latency_s:.3f} s was not measured again")
             labels.append((f"{s.best.latency_s:.3f} s{speed}{kept}", (s.budget_bytes / scale, s.best.latency_s),
                            s.budget_bytes > edge / 2, color))  # leftwards right of the middle: not cut off
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")

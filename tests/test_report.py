@@ -459,6 +459,7 @@ def test_best_vs_budget_says_why_a_pick_stands_above_its_curve_and_names_a_budge
     fast = report.Point(1, {"dtype": "bfloat16", "channels_last": True}, 0.100, 500 * MiB)
     kept = report.Point(2, {"dtype": "bfloat16"}, 0.102, 505 * MiB)
     near = cpu_study("near", 600 * MiB, 30 * MiB, points=[base, fast, kept], front=[fast], best=kept)
+    near.choice_note = "kept trial 2 (1 knob changed, ...) over trial 1 (2 knobs changed, ...)"
     roomy = cpu_study("roomy", 64 * 1024 * MiB, 30 * MiB, points=[base, fast], front=[fast], best=fast)
     fig = report.plot_best_vs_budget([near, roomy])
     ax = fig.axes[0]
@@ -467,6 +468,10 @@ def test_best_vs_budget_says_why_a_pick_stands_above_its_curve_and_names_a_budge
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["near", "roomy\n(budget 64.00 GiB, off the axis: picked 0.100 s)"]
     assert "at-budget:roomy" not in [line.get_gid() for line in ax.lines]
+    # a faster point the pick was not kept over (confirmation stopped by --timeout before it): not noise
+    near.choice_note = None
+    (label,) = [t.get_text() for t in report.plot_best_vs_budget([near]).axes[0].texts]
+    assert label.endswith("\ntrial 1's 0.100 s was not measured again"), label
     # the pick on the curve: no such words
     on_curve = cpu_study("on", 600 * MiB, 30 * MiB, points=[base, fast], front=[fast], best=fast)
     (label,) = [t.get_text() for t in report.plot_best_vs_budget([on_curve]).axes[0].texts]
