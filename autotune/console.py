@@ -231,7 +231,7 @@ class TrialProgress:
             if entry["violation"] > 0:
                 what += " (over budget)"
             if entry.get("cut_short"):
-                what += " (cut short: over twice its fastest figure)"
+                what += f" (cut short: {entry['cut_short']})"  # the worker's words: its calls and the bound
             what += _busy_note(entry)
         else:
             what = f"{entry['status']}: {entry['error']}"[:160] if entry.get("error") else entry["status"]
