@@ -1329,6 +1329,22 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
     assert "warning: timings taken while other processes took the trials' CPU cores (up to 0.8): 1 of 2," in out.export_text()
 
 
+def test_a_confirmation_round_cut_short_says_so_on_its_again_line():
+    from rich.console import Console
+
+    from autotune.console import TrialProgress
+    from autotune.study import TrialRecord
+
+    record = TrialRecord(3, {"dtype": "bfloat16"}, "ok", {"peak_memory_bytes": 2**30, "latency_s": 0.5}, -0.5)
+    entry = {"latency_s": 10.7, "peak_memory_bytes": 2**30, "status": "ok", "violation": -0.5,
+             "cores_taken_by_others": 1.0, "cut_short": "its warm calls took 10.600 and 10.800 s, over 1.000 s"}
+    out = Console(markup=False, record=True, width=300)
+    with TrialProgress(out, 1) as progress:
+        progress.confirmed(record, entry)
+    (line,) = [line for line in out.export_text().splitlines() if line.startswith("again")]
+    assert "10.700 s, 1.00 GiB (cut short: its warm calls took 10.600 and 10.800 s, over 1.000 s)" in line, line
+
+
 def test_the_summary_marks_a_headroom_short_of_the_margin():
     # over the budget with its margin, the baseline showed a positive headroom and nothing else
     from rich.console import Console
