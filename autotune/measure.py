@@ -351,8 +351,9 @@ class OtherCpuUse:
     """How many CPU cores other processes kept busy, on average, from construction to `cores()`,
     among the CPUs this process may run on (its affinity: a container's or a `taskset`'s, not
     the whole host's): their busy time (the kernel's, by psutil, hypervisor steal included) less
-    this process's own (every thread of it, and the processes it started: own_cpu_seconds). A trial timed beside a busy neighbour runs slower
-    and noisier than it will serve on a quiet machine, and nothing in its own figures shows it."""
+    this process's own (every thread of it, and the processes it started: own_cpu_seconds). A
+    trial timed beside a busy neighbour runs slower and noisier than it will serve on a quiet
+    machine, and nothing in its own figures shows it."""
 
     def __init__(self):
         self.allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None

@@ -1532,7 +1532,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             on_confirm(record, entry)
 
 
-def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, int, float | None]]:
+def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, int, float]]:
     """(contender, round, the round's cut: _round_cut) still to measure, round by round, fastest
     first within a round."""
     candidates = contenders(summarize(study))
