@@ -270,6 +270,18 @@ def counts_text(counts: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
+def _medians_said(rec) -> str:
+    """The trials a confirmed config's median is of: its quiet ones where it has any, the others
+    said apart (TrialRecord.latency_s)."""
+    quiet, others = rec.quiet_medians_s, list(rec.latencies_s)
+    if not quiet or len(quiet) == len(others):
+        return f"median of {count(len(others), 'trial')}: " + ", ".join(f"{x:.3f}" for x in others) + " s"
+    for x in quiet:
+        others.remove(x)
+    return (f"median of {count(len(quiet), 'quiet trial')}: " + ", ".join(f"{x:.3f}" for x in quiet)
+            + f" s; {len(others)} timed under load left aside: " + ", ".join(f"{x:.3f}" for x in others) + " s")
+
+
 def print_share(out: Console, outcome) -> None:
     """What this run measured, when it did not measure all of the study: a resume, or a study
     shared by several workers."""
@@ -338,8 +350,7 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         )
         q = rec.result.get("quality") or {}
         guard = f", PSNR {q['psnr_db']:.1f} dB, SSIM {q['ssim']:.3f}" if q else ""
-        measured = (f"median of {len(rec.latencies_s)} trials: " + ", ".join(f"{x:.3f}" for x in rec.latencies_s) + " s"
-                    if rec.confirmations else f"{rec.result.get('calls', '?')} timed calls")
+        measured = _medians_said(rec) if rec.confirmations else f"{rec.result.get('calls', '?')} timed calls"
         configs.append(f"{label} (trial {rec.number}, {measured}{guard}): {config_changes(rec.config)}")
     out.print(table)
     for line in configs:

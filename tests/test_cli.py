@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -612,6 +613,10 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
 
     busy_baseline = busy_cores(trials[0].user_attrs["result"]) is not None
     contenders = close[:3] + ([0] if 0 in close[3:] or (0 not in close[:3] and busy_baseline) else [])
+    # and up to 3 timed only beside other processes' work, the seeds first
+    disturbed = sorted((t for t in feasible if t.number not in contenders and busy_cores(t.user_attrs["result"])),
+                       key=lambda t: (not t.user_attrs.get("seed"), t.user_attrs["result"]["latency_s"]))
+    contenders += [t.number for t in disturbed[:3]]
     confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
     assert len(contenders) > 1, [t.user_attrs["result"]["latency_s"] for t in feasible]
     assert sorted(map(int, confirmed)) == sorted(contenders)
@@ -619,9 +624,14 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
     assert len(again) == 2 * len(confirmed)
     assert str(profile["best"]["trial"]) in confirmed
+    by_number = {t.number: t for t in trials}
     for point in [profile["best"], *profile["pareto"]]:
         if str(point["trial"]) in confirmed:
-            assert len(point["latencies_s"]) == 3 and point["latency_s"] == sorted(point["latencies_s"])[1]
+            # the median of its three trials, or of those timed without other processes' work where any was
+            runs = [by_number[point["trial"]].user_attrs["result"], *confirmed[str(point["trial"])]]
+            quiet = [r["latency_s"] for r in runs if busy_cores(r) is None]
+            assert len(point["latencies_s"]) == 3
+            assert point["latency_s"] == statistics.median(quiet or point["latencies_s"])
     assert profile["pareto"] and profile["pareto"][0]["peak_memory_bytes"] <= 8 * 2**30
 
     # The same command with more trials continues the same study.

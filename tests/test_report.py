@@ -60,9 +60,10 @@ def expected(url, name):
     again = study.user_attrs.get("confirmations", {})
 
     def latency(t):
-        values = [t.user_attrs["result"]["latency_s"]] + [c["latency_s"] for c in again.get(str(t.number), [])
-                                                          if c["latency_s"] is not None]
-        return statistics.median(values)
+        runs = [t.user_attrs["result"]] + [c for c in again.get(str(t.number), []) if c["latency_s"] is not None]
+        # those timed with a quarter core or more taken by other processes only where none was quiet
+        quiet = [r["latency_s"] for r in runs if (r.get("cores_taken_by_others") or 0) < 0.25]
+        return statistics.median(quiet or [r["latency_s"] for r in runs]) if len(runs) > 1 else runs[0]["latency_s"]
 
     def peak(t):
         return max([t.user_attrs["result"]["peak_memory_bytes"]] +
