@@ -278,7 +278,8 @@ def _medians_said(rec) -> str:
         return f"median of {count(len(others), 'trial')}: " + ", ".join(f"{x:.3f}" for x in others) + " s"
     for x in quiet:
         others.remove(x)
-    return (f"median of {count(len(quiet), 'quiet trial')}: " + ", ".join(f"{x:.3f}" for x in quiet)
+    said = "1 quiet trial" if len(quiet) == 1 else f"median of {len(quiet)} quiet trials"
+    return (f"{said}: " + ", ".join(f"{x:.3f}" for x in quiet)
             + f" s; {len(others)} timed under load left aside: " + ", ".join(f"{x:.3f}" for x in others) + " s")
 
 

@@ -1355,6 +1355,21 @@ def test_a_confirmation_round_cut_short_says_so_on_its_again_line():
     assert "10.700 s, 1.00 GiB (cut short: its warm calls took 10.600 and 10.800 s, over 1.000 s)" in line, line
 
 
+def test_a_confirmed_configs_median_names_the_trials_timed_under_load_it_leaves_aside():
+    from autotune.console import _medians_said
+    from autotune.study import TrialRecord
+
+    def run(latency, taken):
+        return {"status": "ok", "latency_s": latency, "peak_memory_bytes": 2**30, "cores_taken_by_others": taken}
+
+    one = TrialRecord(0, {}, "ok", run(11.054, 1.0), -0.5, confirmations=[run(0.72, 0.0), run(14.323, 1.0)])
+    assert _medians_said(one) == "1 quiet trial: 0.720 s; 2 timed under load left aside: 11.054, 14.323 s"
+    two = TrialRecord(0, {}, "ok", run(5.7, 1.0), -0.5, confirmations=[run(0.41, 0.0), run(0.39, 0.0)])
+    assert _medians_said(two) == "median of 2 quiet trials: 0.410, 0.390 s; 1 timed under load left aside: 5.700 s"
+    busy = TrialRecord(0, {}, "ok", run(5.0, 1.0), -0.5, confirmations=[run(6.0, 1.0), run(7.0, 1.0)])
+    assert _medians_said(busy) == "median of 3 trials: 5.000, 6.000, 7.000 s" and busy.latency_s == 6.0
+
+
 def test_the_summary_marks_a_headroom_short_of_the_margin():
     # over the budget with its margin, the baseline showed a positive headroom and nothing else
     from rich.console import Console
