@@ -273,11 +273,10 @@ def counts_text(counts: dict) -> str:
 def _medians_said(rec) -> str:
     """The trials a confirmed config's median is of: its quiet ones where it has any, the others
     said apart (TrialRecord.latency_s)."""
-    quiet, others = rec.quiet_medians_s, list(rec.latencies_s)
-    if not quiet or len(quiet) == len(others):
-        return f"median of {count(len(others), 'trial')}: " + ", ".join(f"{x:.3f}" for x in others) + " s"
-    for x in quiet:
-        others.remove(x)
+    quiet, others = rec.quiet_medians_s, rec.under_load_medians_s
+    if not quiet or not others:
+        every = rec.latencies_s
+        return f"median of {count(len(every), 'trial')}: " + ", ".join(f"{x:.3f}" for x in every) + " s"
     said = "1 quiet trial" if len(quiet) == 1 else f"median of {len(quiet)} quiet trials"
     return (f"{said}: " + ", ".join(f"{x:.3f}" for x in quiet)
             + f" s; {len(others)} timed under load left aside: " + ", ".join(f"{x:.3f}" for x in others) + " s")

@@ -159,20 +159,28 @@ class TrialRecord:
             return self.result.get("latency_s")
         return statistics.median(self.quiet_medians_s or self.latencies_s)
 
+    def measured_trials(self) -> list[dict]:
+        """Its trials that measured a median: the first, then its confirmations, in order."""
+        return [t for t in [self.result, *self.confirmations]
+                if t.get("latency_s") is not None and t.get("status", worker.OK) == worker.OK]
+
     @property
     def quiet_medians_s(self) -> list[float]:
         """The medians of its trials timed without busy neighbours (measure.busy_cores), in order."""
-        return [t["latency_s"] for t in self.quiet_trials() if busy_cores(t) is None]
+        return [t["latency_s"] for t in self.measured_trials() if busy_cores(t) is None]
+
+    @property
+    def under_load_medians_s(self) -> list[float]:
+        """The medians of its trials timed beside busy neighbours, in order."""
+        return [t["latency_s"] for t in self.measured_trials() if busy_cores(t) is not None]
 
     def quiet_trials(self) -> list[dict]:
-        """Its trials that measured (the first, then its confirmations) and ran without other
-        processes taking cores from them (measure.busy_cores); where none ran so, the two that
-        others took the fewest cores from (in the order measured). What its median, spread, p90
-        and cold start are read from: a trial timed beside a busy neighbour (14 s p90 against a
-        0.2 s median, in a shared study on 2 cores; a baseline's 10.7 s beside its quiet 0.77 s)
-        says nothing of the config's own."""
-        measured = [t for t in [self.result, *self.confirmations]
-                    if t.get("latency_s") is not None and t.get("status", worker.OK) == worker.OK]
+        """Its measured trials that ran without other processes taking cores from them
+        (measure.busy_cores); where none ran so, the two that others took the fewest cores from
+        (in the order measured). What its median, spread, p90 and cold start are read from: a
+        trial timed beside a busy neighbour (14 s p90 against a 0.2 s median, in a shared study on
+        2 cores; a baseline's 10.7 s beside its quiet 0.77 s) says nothing of the config's own."""
+        measured = self.measured_trials()
         quiet = [t for t in measured if busy_cores(t) is None]
         if quiet:
             return quiet

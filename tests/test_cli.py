@@ -952,6 +952,15 @@ def test_the_default_profile_of_another_run_is_not_replaced(cli, tmp_path):
     line = one_line_error(proc)
     assert line.startswith("autotune: error: tiny-sd15-2GB.yaml holds the profile of another run"), line
     assert proc.stdout == ""  # refused before the study's summary, not after it (helper-6)
+    # a study with nothing to write is not refused: its summary says why no profile is written
+    proc = cli(*CHEAP, "--vram", "1MB", "--height", "72", "-o", "none.yaml")
+    assert proc.returncode == 3 and not (tmp_path / "none.yaml").exists(), proc.stderr
+    tiny = proc.stdout.splitlines()[0].rsplit("; study ", 1)[1]
+    (tmp_path / "tiny-sd15-1MB.yaml").write_text((tmp_path / "tall.yaml").read_text())  # its default name
+    proc = cli("export", "--study-name", tiny)
+    assert proc.returncode == 3 and "holds the profile of another run" not in proc.stderr, proc.stderr
+    assert f"study {tiny} in " in proc.stdout and "no profile written" in proc.stderr
+    assert (tmp_path / "tiny-sd15-1MB.yaml").read_text() == (tmp_path / "tall.yaml").read_text()
 
 
 @pytest.mark.slow
