@@ -1556,17 +1556,32 @@ def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, in
         return []  # nothing to choose between
     confirmed = study.user_attrs.get(CONFIRMATIONS, {})
     fastest = min(min(r.latencies_s) for r in candidates)  # feasible: each measured
-    wanted = {r.number: _rounds_of(r, rounds) for r in candidates}
+    quiet_seen = any(r.quiet_medians_s for r in candidates)
+    wanted = {r.number: _rounds_of(r, rounds, quiet_seen) for r in candidates}
     return [(record, round_, _round_cut(record, fastest)) for round_ in range(max(wanted.values()))
             for record in candidates if round_ < wanted[record.number]
             and _rounds_done(confirmed.get(str(record.number), []), wanted[record.number]) <= round_]
 
 
-def _rounds_of(record: TrialRecord, rounds: int) -> int:
+UNDER_LOAD_ROUNDS = 4  # the confirmation rounds a contender timed under load in every trial may get
+
+
+def _rounds_of(record: TrialRecord, rounds: int, quiet_seen: bool = False) -> int:
     """The confirmation rounds a contender gets: `rounds`, and two at least for one whose search
     trial was timed beside busy neighbours. Its median over two trials would be the mean of its
-    disturbed figure and its quiet one (8.4 and 0.46 s: 4.43 s, and the default was picked)."""
-    return max(rounds, 2) if rounds and busy_cores(record.result) else rounds
+    disturbed figure and its quiet one (8.4 and 0.46 s: 4.43 s, and the default was picked).
+    One timed under load in every trial so far, where another contender was timed quiet
+    (`quiet_seen`: the load comes and goes), gets one more round at a time until one is quiet,
+    UNDER_LOAD_ROUNDS at most: its figures were all slowed, and its rivals' were not (in a run
+    whose load came and went, bfloat16 + fused QKV + channels_last was timed at 4.7-11.4 s in each
+    of its trials, and could not be picked over bfloat16 alone, timed quiet once at 0.47 s). The
+    rounds under load are cut short (_round_cut); on a machine never quiet no round is added."""
+    if not rounds:
+        return 0
+    wanted = max(rounds, 2) if busy_cores(record.result) else rounds
+    if quiet_seen and not record.quiet_medians_s:
+        wanted = max(wanted, min(len(record.confirmations) + 1, UNDER_LOAD_ROUNDS))
+    return wanted
 
 
 def _round_cut(record: TrialRecord, fastest: float) -> float:

@@ -1798,3 +1798,51 @@ def test_the_summary_gives_each_confirmed_configs_median_and_says_a_pick_off_the
     assert ("measured again (each config's median, and the range of its trials): trial 1 0.450 s (0.400-0.500); "
             "trial 2 0.460 s (0.440-0.470) (the pick)") in text, text
     assert "(the pick, trial 2, is not on it: kept within noise, as the choice line says)" in text
+
+
+def _load_comes_and_goes(quiet_from_round: int | None):
+    """Scripted measurements: float32 always timed quiet at 0.75 s; bfloat16 timed under load
+    (8.4 s) in its search trials and in its confirmation rounds before `quiet_from_round`, quiet
+    (0.46 s) from it on (never with None)."""
+    seen = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        seen.append((req["config"]["dtype"], req.get("confirmation")))
+        if req["config"]["dtype"] == "float32":
+            return {"status": "ok", "latency_s": 0.75, "peak_memory_bytes": 800 * MiB}
+        round_ = req.get("confirmation")
+        if round_ is None or quiet_from_round is None or round_ < quiet_from_round:
+            return {"status": "ok", "latency_s": 8.4, "peak_memory_bytes": 700 * MiB, "cores_taken_by_others": 1.0}
+        return {"status": "ok", "latency_s": 0.46, "peak_memory_bytes": 700 * MiB}
+
+    return measure, seen
+
+
+def test_a_contender_timed_under_load_in_every_round_gets_more_rounds_while_others_were_quiet(tmp_path):
+    """A config whose every trial was timed under load could not be picked over one timed quiet,
+    however fast it runs: it is measured again, a round at a time, until one round is quiet
+    (UNDER_LOAD_ROUNDS at most), and that round decides."""
+    from autotune.study import UNDER_LOAD_ROUNDS
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))], seeds=[{"dtype": "bfloat16"}])
+    measure, seen = _load_comes_and_goes(quiet_from_round=3)
+    outcome = study.tune(request(space, tmp_path / "a", trials=2, confirm_rounds=2), measure=measure)
+    assert outcome.best.config["dtype"] == "bfloat16" and outcome.best.latency_s == pytest.approx(0.46)
+    assert [r for d, r in seen if d == "bfloat16" and r] == [1, 2, 3]  # the third round was quiet: no fourth
+    assert len(outcome.baseline.confirmations) == 2
+
+    measure, seen = _load_comes_and_goes(quiet_from_round=None)  # the load never leaves it
+    outcome = study.tune(request(space, tmp_path / "b", trials=2, confirm_rounds=2), measure=measure)
+    assert [r for d, r in seen if d == "bfloat16" and r] == list(range(1, UNDER_LOAD_ROUNDS + 1))
+    assert outcome.best.config["dtype"] == "float32"
+
+
+def test_no_round_is_added_on_a_machine_never_quiet(tmp_path):
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))], seeds=[{"dtype": "bfloat16"}])
+    measure, seen = _load_comes_and_goes(quiet_from_round=None)
+
+    def all_busy(req: dict, trial_dir: Path, tick) -> dict:
+        return {**measure(req, trial_dir, tick), "cores_taken_by_others": 1.0}
+
+    study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=all_busy)
+    assert sorted(r for d, r in seen if r) == [1, 1, 2, 2]
