@@ -602,8 +602,6 @@ def pareto_front(feasible: list[TrialRecord]) -> list[TrialRecord]:
     return _front(feasible, lambda r: r.peak_memory_bytes, lambda r: r.latency_s)
 
 
-
-
 # How a trial is measured: (worker request, trial directory, heartbeat tick) -> worker result.
 # The study measures in a child process; benchmarks/search_efficiency.py replays a stored table.
 Measure = Callable[[dict, Path, Callable[[], None]], dict]
