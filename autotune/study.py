@@ -280,7 +280,7 @@ class StudyOutcome:
             said = counts_text(Counter(r.status for r in self.records))
             on_host = sum(worker.ran_out_of_host_memory(r.result) for r in self.records)
             if on_host:
-                said += f"; host memory ran short in {on_host} before the budget was reached, which the budget does not judge"
+                said += f"; host memory ran short in {on_host}: the machine's limit, which the budget does not judge"
             first = self.records[0]
             return False, f"no configuration ran ({said}); trial {first.number}: {first.result.get('error', first.status)}"
         ruled_out = Counter(r.ruled_out_by for r in ran)

@@ -104,9 +104,9 @@ def host_memory_mark(device: str, held: int = 0, may_hold_bytes: int | None = No
 
 
 def ran_out_of_host_memory(result: dict) -> bool:
-    """Host memory ran short before the budget was reached (host_memory_mark): under a GPU budget,
-    or on a CPU while the trial held less than its budget. This machine's
-    limit, which says nothing of what the config needs within the budget."""
+    """Host memory ran short (host_memory_mark): under a GPU budget, or on a CPU while the trial
+    held less than its budget. This machine's limit, which says nothing of what the config needs
+    within the budget."""
     return result.get(OUT_OF_MEMORY_ON) == "host"
 
 
@@ -150,18 +150,18 @@ def placed_over(config: dict, device: str) -> tuple[str, ...]:
 
 
 def _first_warm_call(config: dict, device: str) -> int | None:
-    """Which call of a trial is its first warm one (measure.far_slower_at_once): the first where
-    nothing is compiled, autotuned or JIT-built in it, the second where it is, none to rely on where
-    the calls after the first record a CUDA graph (how many they take is torch's business)."""
-    from .knobs.attention import COLD_FIRST_CALL
+    """Which call of a trial is its first warm one (measure.far_slower_at_once). On a CPU the first
+    where nothing is compiled in it, else the second. On a GPU the second: a fresh process's first
+    call loads its CUDA kernels (lazily, by default), makes cuBLAS and cuDNN handles and, with
+    cuDNN attention or benchmark mode, autotunes (SDXL bfloat16 on an H100: 2.90 s, then 0.83-0.99 s;
+    a tiny model's first call, many times its warm ones, was cut as far too slow); none to rely on
+    where the calls after the first record a CUDA graph (how many they take is torch's business)."""
     from .knobs.compile import CUDA_GRAPH_MODES
 
     mode = config.get("compile", "none")
-    if device.startswith("cuda") and mode in CUDA_GRAPH_MODES:
-        return None
-    cold_first = mode != "none" or config.get("cudnn_benchmark") or (
-        device.startswith("cuda") and config.get("attention") in COLD_FIRST_CALL)
-    return 1 if cold_first else 0
+    if device.startswith("cuda"):
+        return None if mode in CUDA_GRAPH_MODES else 1
+    return 1 if mode != "none" else 0
 
 
 def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:

@@ -1348,6 +1348,26 @@ def test_trials_timed_beside_busy_neighbours_are_flagged_on_their_line_and_in_th
     assert "warning: timings taken while other processes took the trials' CPU cores (up to 0.8): 1 of 2," in out.export_text()
 
 
+def test_a_trial_that_host_memory_stopped_says_it_was_the_machines_limit_not_the_budgets():
+    # under a GPU budget nothing says the budget was reached: "before the budget was reached" was
+    # said on both devices (helper-8)
+    from rich.console import Console
+
+    from autotune.console import TrialProgress
+    from autotune.study import TrialRecord
+
+    short = {"status": "out_of_memory", "error": "CPU out of memory", "out_of_memory_on": "host"}
+    record = TrialRecord(3, {"dtype": "bfloat16"}, "out_of_memory", short, 1.0)
+    entry = {**short, "latency_s": None, "violation": 0.0}
+    out = Console(markup=False, record=True, width=300)
+    with TrialProgress(out, 1) as progress:
+        progress.update(record)
+        progress.confirmed(record, entry)
+    lines = [line for line in out.export_text().splitlines() if line.startswith(("trial", "again"))]
+    assert len(lines) == 2 and all("(host memory ran short: the machine's limit, not the budget's verdict)" in line
+                                   for line in lines), lines
+
+
 def test_a_confirmation_round_cut_short_says_so_on_its_again_line():
     from rich.console import Console
 

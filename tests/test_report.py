@@ -1144,7 +1144,7 @@ def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_s
     from autotune.study import BROKEN, StudyOutcome, TrialRecord
 
     for result, says in (({}, "no configuration fits 1.00 GiB: the smallest peak memory measured was at least 1.50 GiB"),
-                         ({"out_of_memory_on": "host"}, "host memory ran short in 2 before the budget was reached, which the budget does not judge")):
+                         ({"out_of_memory_on": "host"}, "host memory ran short in 2: the machine's limit, which the budget does not judge")):
         records = [TrialRecord(n, {}, "out_of_memory", {"peak_memory_bytes": 3 * 2**29, "error": "x", **result},
                                BROKEN, violations={"memory": BROKEN}) for n in range(2)]
         for_lack_of_memory, why = StudyOutcome(records=records, stop_reason="").why_no_best(2**30)

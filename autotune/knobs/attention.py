@@ -38,11 +38,6 @@ _SDPA_BACKENDS = {
 SDPA_KERNELS = tuple(_SDPA_BACKENDS)  # the choices that hold SDPA to one kernel
 # autotune's names -> diffusers.models.attention_dispatch.AttentionBackendName values
 _DISPATCHER = {"flash-attn": "flash", "flash-attn-3": "_flash_3", "sage": "sage"}
-# Choices whose first call on a GPU builds what later calls reuse, so it is not a warm call
-# (worker's first warm call, measure.far_slower_at_once): cuDNN's attention builds its execution
-# plans, and SageAttention's int8 quantization of Q and K runs Triton kernels, compiled at their
-# first launch. flash-attn's kernels come compiled in its wheel.
-COLD_FIRST_CALL = ("sdpa-cudnn", "sage")
 
 
 def _hold_sdpa_kernel(model, kernel_name: str) -> None:
