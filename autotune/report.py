@@ -22,6 +22,7 @@ import functools
 import html
 import os
 import shlex
+import statistics
 import textwrap
 import warnings
 from collections import Counter
@@ -41,6 +42,10 @@ from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_ur
 
 DEFAULT_REPORT_DIR = "autotune-report"  # beside autotune-studies/, in the current folder
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
+# A figure that ranges less than this over a study's trials is not ranked: trials of one config
+# differ by as much (peak memory 0.8-3.9% on the tiny models, glibc's placement of freed blocks;
+# benchmarks/results/measurement_stability.md), and PED-ANOVA ranks by order, however small the gaps.
+IMPORTANCE_NOISE = 0.05
 DPI = 100
 
 # Timeline classes, in legend order: how each trial ended.
@@ -595,6 +600,12 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
     varied = [name for name in names if len({repr(t.params[name]) for t in trials if name in t.params}) > 1]
     if not varied:
         return {}, f"{study.label}: no knob took two values in the measured trials"
+    values = [float(t.user_attrs["result"][key]) for t in trials]
+    ranged = (max(values) - min(values)) / statistics.median(values) if statistics.median(values) > 0 else 0.0
+    if ranged < IMPORTANCE_NOISE:
+        what = "latency" if target == "latency" else "peak memory"
+        return {}, (f"{study.label}: {what} ranged {ranged:.1%} over the measured trials, under the "
+                    f"{IMPORTANCE_NOISE:.0%} that trials of one config can differ by: no knob ranked for it")
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
