@@ -61,3 +61,16 @@ def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None, mode=0o000):
                               capture_output=True, text=True, cwd=cwd, timeout=300)
     finally:
         folder.chmod(0o755)
+
+
+def rounds_as_the_study_gives(first: dict, entries: list[dict], rounds: int = 2) -> bool:
+    """A contender's confirmation `entries` number as study._rounds_of gives them: `rounds`, or
+    one more at a time (UNDER_LOAD_ROUNDS at most) for a config timed under load in its search
+    trial (`first`, its result) and every round before its last, as CI's other tests can make it."""
+    from autotune.measure import busy_cores
+    from autotune.study import UNDER_LOAD_ROUNDS
+
+    if len(entries) == rounds:
+        return True
+    return rounds < len(entries) <= UNDER_LOAD_ROUNDS and all(
+        busy_cores(t) is not None for t in [first, *entries[:-1]])

@@ -208,8 +208,8 @@ def test_the_first_warm_call_is_the_second_where_the_first_compiles_or_runs_on_a
     assert worker._first_warm_call({"compile": "max-autotune"}, "cpu") == 1  # no CUDA graphs on a CPU
     assert worker._first_warm_call({"compile": "max-autotune-no-cudagraphs"}, "cuda") == 1
     assert worker._first_warm_call({"compile": "reduce-overhead"}, "cuda:0") is None
-    # a GPU process's first call loads kernels and makes library handles, whatever the config (helper-8:
-    # a tiny model's uncompiled round was cut at that call, and the default pipeline picked)
+    # a GPU process's first call loads kernels and makes library handles, whatever the config (helper-8,
+    # from reading: a tiny model's uncompiled round would be cut at that call, and the default pipeline picked)
     for config in ({"compile": "none"}, {"dtype": "bfloat16"}, {"cudnn_benchmark": True}, {"attention": "sdpa-cudnn"},
                    {"attention": "sage"}, {"attention": "flash-attn"}):
         assert worker._first_warm_call(config, "cuda") == 1, config

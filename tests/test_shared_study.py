@@ -15,7 +15,7 @@ import optuna
 import pytest
 import yaml
 
-from helpers import run_cli
+from helpers import rounds_as_the_study_gives, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +85,12 @@ def two_workers_share(tmp_path, url, extra):
     said = worker_count(out_first, len(trials)) + worker_count(out_second, len(trials))
     assert said == len(trials) == sum(by_worker.values())  # the counts add up
     # one worker at a time confirms the contenders (--confirm 2): each measured twice more, not
-    # once by each worker
+    # once by each worker; a round more only for one timed under load in every round before it
+    # (study._rounds_of: beside a busy machine, as CI's other tests can make it)
     confirmed = study.user_attrs.get("confirmations", {})
-    assert confirmed and all(len(entries) == 2 for entries in confirmed.values()), confirmed
+    results = {t.number: t.user_attrs["result"] for t in trials}
+    assert confirmed and all(rounds_as_the_study_gives(results[int(n)], entries)
+                             for n, entries in confirmed.items()), confirmed
     claims = [t for t in study.trials if "confirmer" in t.user_attrs]
     assert all(t.state == optuna.trial.TrialState.FAIL for t in claims)  # released, none left running
     assert claims

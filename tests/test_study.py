@@ -1781,22 +1781,27 @@ def test_the_summary_gives_each_confirmed_configs_median_and_says_a_pick_off_the
 
     from autotune.console import print_summary
 
-    def record(number, latency, again, **config):
+    def record(number, latency, again, taken=0.0, **config):
         return study.TrialRecord(number, {**baseline(), **config}, "ok",
-                                 {"status": "ok", "latency_s": latency, "peak_memory_bytes": 500 * MiB},
+                                 {"status": "ok", "latency_s": latency, "peak_memory_bytes": 500 * MiB,
+                                  "cores_taken_by_others": taken},
                                  violation=-0.5, violations={"memory": -0.5},
                                  confirmations=[{"latency_s": x, "peak_memory_bytes": 500 * MiB, "status": "ok",
                                                  "violation": -0.5} for x in again])
 
     fused = record(1, 0.40, [0.45, 0.50], dtype="bfloat16", fuse_qkv=True)
     plain = record(2, 0.46, [0.44, 0.47], dtype="bfloat16")
-    outcome = study.StudyOutcome(records=[fused, plain], stop_reason="", best=plain, front=[fused],
+    # its search trial timed under load: the range is of the quiet trials its median is of (the
+    # range of all three read 0.372-9.896 s for a median of 0.396 s, in a run beside the test suite)
+    slowed = record(3, 9.896, [0.80, 0.70], taken=1.0, channels_last=True)
+    outcome = study.StudyOutcome(records=[fused, plain, slowed], stop_reason="", best=plain, front=[fused],
                                  choice_note="kept trial 2 (fewer changes) over trial 1")
     out = Console(markup=False, record=True, width=400)
     print_summary(out, outcome, 2**31, 0)
     text = out.export_text()
-    assert ("measured again (each config's median, and the range of its trials): trial 1 0.450 s (0.400-0.500); "
-            "trial 2 0.460 s (0.440-0.470) (the pick)") in text, text
+    assert ("measured again (each config's median, and the range of the trials it is of): trial 1 0.450 s "
+            "(0.400-0.500); trial 2 0.460 s (0.440-0.470) (the pick); "
+            "trial 3 0.750 s (0.700-0.800; 1 under load left aside)") in text, text
     assert "(the pick, trial 2, is not on it: kept within noise, as the choice line says)" in text
 
 
