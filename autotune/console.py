@@ -202,7 +202,7 @@ class TrialProgress:
         else:
             what = f"{record.status}: {r.get('error', '')}"[:160]
             if ran_out_of_host_memory(r):
-                what += " (host memory ran short: the machine's limit, not the budget's verdict)"
+                what += " (host memory ran short: this machine's RAM stopped it, not the budget)"
             if r.get("measured_twice"):
                 what += f" (its second trial; the first, disturbed, took {r['measured_twice']['latency_s']:.3f} s)"
         if record.repair:  # repair.py
@@ -236,7 +236,7 @@ class TrialProgress:
         else:
             what = f"{entry['status']}: {entry['error']}"[:160] if entry.get("error") else entry["status"]
             if ran_out_of_host_memory(entry):
-                what += " (host memory ran short: the machine's limit, not the budget's verdict)"
+                what += " (host memory ran short: this machine's RAM stopped it, not the budget)"
         self.out.print(f"again {record.number:3d}  {what}  [{config_changes(record.config)}]")
 
 

@@ -268,10 +268,11 @@ def too_slow(times: list[float], bound: float | None, steady: float = STEADY) ->
     return len(times) >= 3 or abs(times[1] - times[0]) <= steady * times[0]
 
 
-# The first warm call this many times over the cut's bound (`far_slower_at_once`): where nothing is
-# compiled or autotuned in it, the first call is already warm (one-time allocations and kernel
-# choices cost a fraction of it); where it compiles, the second is (a CUDA graph recorded there
-# excepted: the caller passes no first warm call for those modes). One warm call says what two
+# The first warm call this many times over the cut's bound (`far_slower_at_once`): on a CPU where
+# nothing is compiled in it, the first call is already warm (one-time allocations and kernel
+# choices cost a fraction of it); where it compiles, or on a GPU, the second is (a CUDA graph
+# recorded there excepted: the caller passes no first warm call for those modes;
+# worker._first_warm_call). One warm call says what two
 # would. On this project's 2-core CPU, float16 with int8 weight-only and one-slice attention took
 # 394 s a call against the fastest trial's 1.3 s, and its second warm call cost another 6.5 minutes
 # for the same verdict (a compiled float16 config of the same run reached the trial timeout, 20
@@ -280,8 +281,9 @@ FAR_SLOWER = 3.0
 
 
 def far_slower_at_once(times: list[float], bound: float | None, first_warm_call: int | None) -> bool:
-    """The calls so far end with the first warm one (index `first_warm_call`: 0 where nothing is
-    compiled or autotuned in the first call, 1 where it is, None where no single call says it),
+    """The calls so far end with the first warm one (index `first_warm_call`: 0 on a CPU where
+    nothing is compiled in the first call, 1 where it is or on a GPU, None where no single call
+    says it: worker._first_warm_call),
     and it took over FAR_SLOWER times `bound`: too slow, without a second warm call. (`--warmup N`
     asks for N calls at least: over 1, an uncompiled trial never stops at its first call; a compiled
     one still may at its second.)"""

@@ -42,9 +42,10 @@ from .storages import (DEFAULT_WORKDIR, HEARTBEAT_S, WORKDIR_HINT, as_storage_ur
 
 DEFAULT_REPORT_DIR = "autotune-report"  # beside autotune-studies/, in the current folder
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
-# A figure that ranges less than this over a study's trials is not ranked: trials of one config
-# differ by as much (peak memory 0.8-3.9% on the tiny models, glibc's placement of freed blocks;
-# benchmarks/results/measurement_stability.md), and PED-ANOVA ranks by order, however small the gaps.
+# A figure that ranges less than this over a study's trials is not ranked: a floor, within the
+# noise between trials of one config (peak memory 0.8-3.9% on the tiny models, 5-6% in a tiny-flux
+# run, glibc's placement of freed blocks; latency medians 3-37%:
+# benchmarks/results/measurement_stability.md). PED-ANOVA ranks by order, however small the gaps.
 IMPORTANCE_NOISE = 0.05
 DPI = 100
 
@@ -576,7 +577,8 @@ def _unbudgeted_front(points: list[Point]) -> list[Point]:
 def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str, float], str | None]:
     """Which knobs move latency (or peak memory) most: optuna's PED-ANOVA evaluator over the
     study's measured, successful, non-duplicate trials. Returns (importances, note); the note
-    says why there are none (none measured, too few, nothing varied, a profile without its study)."""
+    says why there are none (none measured, too few, nothing varied, the figure within noise over
+    them: IMPORTANCE_NOISE, a profile without its study)."""
     import optuna
     from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
 
@@ -605,7 +607,7 @@ def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str
     if ranged < IMPORTANCE_NOISE:
         what = "latency" if target == "latency" else "peak memory"
         return {}, (f"{study.label}: {what} ranged {ranged:.1%} over the measured trials, under the "
-                    f"{IMPORTANCE_NOISE:.0%} that trials of one config can differ by: no knob ranked for it")
+                    f"{IMPORTANCE_NOISE:.0%} below which it is within the noise between trials: no knob ranked for it")
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:

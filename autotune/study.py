@@ -1569,16 +1569,19 @@ def _rounds_of(record: TrialRecord, rounds: int, quiet_seen: bool = False) -> in
     trial was timed beside busy neighbours. Its median over two trials would be the mean of its
     disturbed figure and its quiet one (8.4 and 0.46 s: 4.43 s, and the default was picked).
     One timed under load in every trial so far, where another contender was timed quiet
-    (`quiet_seen`: the load comes and goes), gets one more round at a time until one is quiet,
-    UNDER_LOAD_ROUNDS at most: its figures were all slowed, and its rivals' were not (in a run
-    whose load came and went, bfloat16 + fused QKV + channels_last was timed at 4.7-11.4 s in each
-    of its trials, and could not be picked over bfloat16 alone, timed quiet once at 0.47 s). The
-    rounds under load are cut short (_round_cut); on a machine never quiet no round is added."""
+    (`quiet_seen`: the load comes and goes), gets one more round for each of its trials timed
+    under load (its search trial's included), until one is quiet, UNDER_LOAD_ROUNDS in all at most
+    (or `rounds`, if more): its figures were all slowed, and its rivals' were not (in a run whose
+    load came and went, bfloat16 + fused QKV + channels_last was timed at 4.7-11.4 s in each of
+    its trials, and could not be picked over bfloat16 alone, timed quiet once at 0.47 s). Rounds
+    that failed or found the machine short of memory add none. A round is cut at twice the lower
+    of its own figure and the contenders' (_round_cut): the baseline's at its own, which under load
+    lets its added rounds run longer. On a machine never quiet no round is added."""
     if not rounds:
         return 0
     wanted = max(rounds, 2) if busy_cores(record.result) else rounds
     if quiet_seen and not record.quiet_medians_s:
-        wanted = max(wanted, min(len(record.confirmations) + 1, UNDER_LOAD_ROUNDS))
+        wanted = max(wanted, min(len(record.under_load_medians_s), UNDER_LOAD_ROUNDS))
     return wanted
 
 

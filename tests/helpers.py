@@ -63,14 +63,16 @@ def run_cli_behind_a_locked_folder(folder: Path, *args, cwd=None, mode=0o000):
         folder.chmod(0o755)
 
 
-def rounds_as_the_study_gives(first: dict, entries: list[dict], rounds: int = 2) -> bool:
-    """A contender's confirmation `entries` number as study._rounds_of gives them: `rounds`, or
-    one more at a time (UNDER_LOAD_ROUNDS at most) for a config timed under load in its search
-    trial (`first`, its result) and every round before its last, as CI's other tests can make it."""
+def rounds_as_the_study_gives(results: dict[int, dict], confirmed: dict[str, list[dict]], rounds: int = 2) -> bool:
+    """The confirmation entries of each contender (`confirmed`, the study's attribute; `results`,
+    each trial's result by number) number as study._rounds_of gives them: `rounds`, or one more at
+    a time (UNDER_LOAD_ROUNDS in all at most) for a config timed under load in its search trial and
+    every round before its last, where another contender had a trial timed quiet (as CI's other
+    tests can make it). Two workers confirming at once give more rounds without that."""
     from autotune.measure import busy_cores
     from autotune.study import UNDER_LOAD_ROUNDS
 
-    if len(entries) == rounds:
-        return True
-    return rounds < len(entries) <= UNDER_LOAD_ROUNDS and all(
-        busy_cores(t) is not None for t in [first, *entries[:-1]])
+    trials = {int(n): [results[int(n)], *entries] for n, entries in confirmed.items()}
+    quiet_seen = any(busy_cores(t) is None and t.get("latency_s") is not None for ts in trials.values() for t in ts)
+    return all(len(ts) - 1 == rounds or quiet_seen and rounds < len(ts) - 1 <= UNDER_LOAD_ROUNDS
+               and all(busy_cores(t) is not None for t in ts[:-1]) for ts in trials.values())

@@ -602,7 +602,8 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     assert profile["study"]["trials"] == 3
     # --confirm 2 (default): the contenders (the fastest feasible trials, up to 3 within 1.5x of
     # the fastest, and the baseline within 1.5x) measured twice more each, in fresh trials, one
-    # line each; a confirmed point's latency is the median of its three trials
+    # line each (more for one timed under load in every round: study._rounds_of); a confirmed
+    # point's latency is the median of its trials
     feasible = sorted((t for t in trials if t.user_attrs["result"]["status"] == "ok" and t.user_attrs["violation"] <= 0),
                       key=lambda t: t.user_attrs["result"]["latency_s"])
     fastest = feasible[0].user_attrs["result"]["latency_s"]
@@ -621,17 +622,17 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     assert len(contenders) > 1, [t.user_attrs["result"]["latency_s"] for t in feasible]
     assert sorted(map(int, confirmed)) == sorted(contenders)
     results = {t.number: t.user_attrs["result"] for t in trials}
-    assert all(rounds_as_the_study_gives(results[int(n)], entries) for n, entries in confirmed.items()), confirmed
+    assert rounds_as_the_study_gives(results, confirmed), confirmed
     again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
     assert len(again) == sum(map(len, confirmed.values()))
     assert str(profile["best"]["trial"]) in confirmed
     by_number = {t.number: t for t in trials}
     for point in [profile["best"], *profile["pareto"]]:
         if str(point["trial"]) in confirmed:
-            # the median of its three trials, or of those timed without other processes' work where any was
+            # the median of its trials, or of those timed without other processes' work where any was
             runs = [by_number[point["trial"]].user_attrs["result"], *confirmed[str(point["trial"])]]
             quiet = [r["latency_s"] for r in runs if busy_cores(r) is None]
-            assert len(point["latencies_s"]) == 3
+            assert len(point["latencies_s"]) == sum(r.get("latency_s") is not None for r in runs)
             assert point["latency_s"] == statistics.median(quiet or point["latencies_s"])
     assert profile["pareto"] and profile["pareto"][0]["peak_memory_bytes"] <= 8 * 2**30
 
@@ -1365,7 +1366,7 @@ def test_a_trial_that_host_memory_stopped_says_it_was_the_machines_limit_not_the
         progress.update(record)
         progress.confirmed(record, entry)
     lines = [line for line in out.export_text().splitlines() if line.startswith(("trial", "again"))]
-    assert len(lines) == 2 and all("(host memory ran short: the machine's limit, not the budget's verdict)" in line
+    assert len(lines) == 2 and all("(host memory ran short: this machine's RAM stopped it, not the budget)" in line
                                    for line in lines), lines
 
 

@@ -1851,3 +1851,21 @@ def test_no_round_is_added_on_a_machine_never_quiet(tmp_path):
 
     study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=all_busy)
     assert sorted(r for d, r in seen if r) == [1, 1, 2, 2]
+
+
+def test_rounds_the_machine_cut_short_of_memory_add_no_round_for_a_contender_timed_under_load(tmp_path):
+    # only its trials timed under load count toward the added rounds (helper-9: rounds stopped
+    # because other processes took the machine's memory gave it UNDER_LOAD_ROUNDS rounds all the
+    # same); a round so stopped is measured again, `rounds` such rounds at most (_rounds_done)
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))], seeds=[{"dtype": "bfloat16"}])
+    measure, seen = _load_comes_and_goes(quiet_from_round=None)
+
+    def short(req: dict, trial_dir: Path, tick) -> dict:
+        result = measure(req, trial_dir, tick)
+        if req["config"]["dtype"] == "bfloat16" and req.get("confirmation"):
+            return {"status": "out_of_memory", "error": "the machine ran short", "out_of_memory_on": "host",
+                    "held_within_budget": True}
+        return result
+
+    study.tune(request(space, tmp_path, trials=2, confirm_rounds=2), measure=short)
+    assert [r for d, r in seen if d == "bfloat16" and r] == [1, 1]  # its first round, measured again once
