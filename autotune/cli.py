@@ -1025,7 +1025,7 @@ def _export(argv: list[str]) -> int:
     from .errors import AutotuneError
     from .profile import check_writable
     from .sizes import format_size
-    from .study import request_of, summarize, unfinished
+    from .study import STOP_REASON, request_of, summarize, unfinished
     import optuna
 
     p = Parser(prog="autotune export", description="write the profile of a stored (shared) study")
@@ -1062,6 +1062,8 @@ def _export(argv: list[str]) -> int:
     request = request_of(study, storage)
     pending = unfinished(study)
     reason = "exported from the stored study" + (f" before it finished ({pending})" if pending else "")
+    if study.user_attrs.get(STOP_REASON):  # a study written before 2026-11-29 does not say
+        reason = f"{study.user_attrs[STOP_REASON]}; {reason}"
     outcome = summarize(study, reason, guard_asked=bool(request.min_psnr_db))
     output = args.output or default_profile_path(request.spec, request.budget_bytes)
     if not args.output:  # a named one was checked before reading the study; this, before the summary

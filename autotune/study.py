@@ -546,6 +546,9 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
 # User attr of a study: the queued trials a run left when it stopped at its --trials (a
 # --warm-start given to a study that held its trials): a study that ended, not one half done.
 LEFT_PAST_TRIALS = "left_queued_past_trials"
+# User attr of a study: why the last run's search stopped (study._why_stop, --patience), which
+# `autotune export` says beside its own words; in a shared study, the last worker's to stop.
+STOP_REASON = "stop_reason"
 
 
 def unfinished(study: optuna.Study) -> str | None:
@@ -1163,6 +1166,8 @@ def tune(
     twins_in_a_row = 0  # proposals of a config another worker is measuring
     measured_here = 0
     measure_disturbed_again = True  # until a second trial finds the machine still busy
+    # an earlier run's reason no longer holds once this one measures (stopped by Ctrl-C, it says none)
+    study.set_user_attr(STOP_REASON, None)
 
     while True:
         _fail_stale_trials(study)
@@ -1249,6 +1254,7 @@ def tune(
         if on_confirm:
             on_confirm(record, entry)
 
+    study.set_user_attr(STOP_REASON, reason)  # for `autotune export`, which cannot tell
     if req.confirm_rounds:
         confirm_contenders(req, study, measure, count_confirmation, deadline)
     outcome = summarize(study, reason, guard_asked=bool(req.min_psnr_db))

@@ -1275,6 +1275,20 @@ def test_export_of_a_study_still_running_says_so_in_its_profile(tmp_path):
     held = yaml.safe_load((tmp_path / "p.yaml").read_text())["study"]
     assert held["trials"] == 2 and held["stop_reason"] == "exported from the stored study before it finished " \
         "(trial 2 running)"
+    # once the run ended, its own reason is said too (it was "exported from the stored study" alone)
+    proc = run_cli("export", "--study-name", "s", "--storage", url, "-o", tmp_path / "p.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    held = yaml.safe_load((tmp_path / "p.yaml").read_text())["study"]
+    assert held["stop_reason"] == "3 trials measured (--trials 3); exported from the stored study", held
+    # a run that goes on and is interrupted leaves no reason of the run before it
+    def interrupted(req, trial_dir, tick):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=4, confirm_rounds=0), measure=interrupted)
+    proc = run_cli("export", "--study-name", "s", "--storage", url, "-o", tmp_path / "p.yaml", cwd=tmp_path)
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["study"]["stop_reason"].startswith(
+        "exported from the stored study"), proc.stdout
 
 
 @pytest.mark.parametrize("url, shown", [
