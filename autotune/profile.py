@@ -399,7 +399,8 @@ class Profile:
                    else "what its weights lost in the narrower dtype is not restored by the cast")
             warnings.warn(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}, "
                           f"which loaded it in {config['dtype']} (from_pretrained(..., torch_dtype=torch."
-                          f"{config['dtype']}), or profile.load_pipeline())", stacklevel=2)
+                          f"{config['dtype']}), dtype= in diffusers 0.42 and later, or profile.load_pipeline())",
+                          stacklevel=2)
         self._set_measured_threads(target)
         return pipe
 

@@ -47,6 +47,11 @@ MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs me
 # run, glibc's placement of freed blocks; latency medians 3-37%:
 # benchmarks/results/measurement_stability.md). PED-ANOVA ranks by order, however small the gaps.
 IMPORTANCE_NOISE = 0.05
+# What the importance bars say, under them: PED-ANOVA compares a knob's values in the best trials
+# with its values in all of them, which is not what the knob gains.
+IMPORTANCE_READING = ("A knob ranks by how its values in the best trials differ from its values in all: one most "
+                      "trials share (bfloat16, once the seeds find it fast) ranks low however much it gains; "
+                      "the speedups chart says what the pick gains over the default.")
 DPI = 100
 
 # Timeline classes, in legend order: how each trial ended.
@@ -830,6 +835,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     unit, scale = memory_unit([edge])
     drawn: list[float] = []  # the latencies on the chart: they choose its scale
     labels: list[tuple] = []  # the budget dots' labels: written once the scale is known
+    dotted = False  # the title explains the dotted lines only where one is drawn (helper-10)
     for s, color in zip(studies, _colors(len(studies))):
         off_axis = ""  # a budget far right of every point: its dot would squeeze the curves, so said here
         if s.budget_bytes and s.budget_bytes > 1.5 * top:
@@ -852,6 +858,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
                     ls=":", drawstyle="steps-post", marker=".",  # the last step has no width: its point shows
                     label=None if s.front else f"{s.label}: nothing fits{off_axis}", gid=f"over-budget:{s.label}")
             drawn += [p.latency_s for p in over]
+            dotted = True
         if s.budget_bytes and s.best and s.budget_bytes <= 1.5 * top:
             ax.plot([s.budget_bytes / scale], [s.best.latency_s], "o", color=color, ms=8,
                     gid=f"at-budget:{s.label}")
@@ -867,7 +874,7 @@ def plot_best_vs_budget(studies: list[StudyData]):
     ax.set_xlabel(f"memory budget ({unit}): a configuration fits from its peak plus the study's margin")
     _latency_axis(ax, drawn, "best latency per call (s)")
     _annotate_apart(ax, labels)
-    ax.set_title("Fastest measured latency against budget (dotted: measured over the budget)")
+    ax.set_title("Fastest measured latency against budget" + (" (dotted: measured over the budget)" if dotted else ""))
     ax.grid(alpha=0.3)
     if studies:  # none measured: an empty legend would only warn
         _legend_beside(ax)
@@ -951,6 +958,8 @@ def plot_importances(studies: list[StudyData]):
     results = {t: [knob_importance(s, t) for s in studies] for t in ("latency", "memory")}
     knobs = sorted({k for t in results for imp, _ in results[t] for k in imp})
     notes = sorted({note for t in results for _, note in results[t] if note})
+    if knobs:  # a newcomer read "what moves latency" as what each knob gains (helper-10)
+        notes.insert(0, IMPORTANCE_READING)
     # The notes get their own strip below the axes: in a fixed-height figure, a dozen of them
     # squeezed the axes to nothing (matplotlib warned that constrained_layout collapsed).
     notes_height = 0.14 * len(notes) + 0.15 if notes else 0  # inches: 8-point lines
@@ -967,7 +976,8 @@ def plot_importances(studies: list[StudyData]):
                            label=s.label)
             for knob, patch in zip(knobs, bars.patches):
                 patch.set_gid(f"importance:{target}:{s.label}:{knob}")
-        ax.set_title(f"what moves {'latency' if target == 'latency' else 'peak memory'}")
+        ax.set_title("latency: what sets the fastest trials apart" if target == "latency"
+                     else "peak memory: what sets the smallest apart")
         ax.set_xlabel("importance (sums to 1 per study)")
         ax.set_xlim(0, 1)
         ax.grid(axis="x", alpha=0.3)
@@ -987,7 +997,7 @@ def plot_importances(studies: list[StudyData]):
                  gid="importance-notes")
         bottom = notes_height / (5 + notes_height)
         fig.get_layout_engine().set(rect=(0, bottom, 1, 1 - bottom))
-    fig.suptitle("Which knobs matter most (optuna PED-ANOVA over the measured trials)")
+    fig.suptitle("Which knobs set the best trials apart (optuna PED-ANOVA over the measured trials)")
     return fig
 
 

@@ -875,6 +875,11 @@ def test_best_vs_budget_draws_a_study_where_nothing_fits_dotted_as_its_title_say
     assert line.get_linestyle() == ":"
     # the fastest measurement at each peak, the budget ignored: 500 MiB at 1.0 s beats 600 MiB at 2.0 s
     assert list(line.get_xdata()) == [500] and list(line.get_ydata()) == [1.0]
+    # where everything fits, no dotted line, and the title says nothing of one (helper-10)
+    (tmp_path / "fits").mkdir()
+    (fitting,) = report.load(synthetic_study(tmp_path / "fits", {}))
+    title = report.plot_best_vs_budget([fitting]).axes[0].get_title()
+    assert title == "Fastest measured latency against budget", title
     # its 1 GiB budget lies far right of its points: said, not drawn
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{study.label}: nothing fits\n(budget 1.00 GiB, off the axis)"]
     # the fronts chart too: the study's colour had no key there (only its budget's entry, drawn
