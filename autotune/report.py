@@ -960,6 +960,8 @@ def plot_importances(studies: list[StudyData]):
     notes = sorted({note for t in results for _, note in results[t] if note})
     if knobs:  # a newcomer read "what moves latency" as what each knob gains (helper-10)
         notes.insert(0, IMPORTANCE_READING)
+    # one note a line where it fits the figure's width (8-point text: about 150 characters in 10 inches)
+    notes = [line for note in notes for line in textwrap.wrap(note, 150)]
     # The notes get their own strip below the axes: in a fixed-height figure, a dozen of them
     # squeezed the axes to nothing (matplotlib warned that constrained_layout collapsed).
     notes_height = 0.14 * len(notes) + 0.15 if notes else 0  # inches: 8-point lines
