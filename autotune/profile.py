@@ -704,3 +704,10 @@ def validate(data, path) -> None:
     if margin >= budget["memory_bytes"]:  # the CLI refuses such a margin: nothing could fit
         raise ProfileError(f"profile {path}: budget.margin {budget['margin']} leaves nothing of the budget "
                            f"({format_size(int(budget['memory_bytes']))})")
+    # autotune writes only points that fit: one that does not was edited (a best over its budget
+    # loaded and was chosen for that budget without a word; helper-10)
+    for where, point in [("best", data["best"]), *((f"pareto[{i}]", p) for i, p in enumerate(data["pareto"]))]:
+        if not fits(point["peak_memory_bytes"], budget.get("margin", "0"), int(budget["memory_bytes"])):
+            raise ProfileError(f"profile {path}: {where} peaks at {format_size(int(point['peak_memory_bytes']))}, "
+                               f"over the budget of {format_size(int(budget['memory_bytes']))} less its margin of "
+                               f"{format_size(margin)}: autotune writes only points that fit (edited by hand?)")

@@ -658,7 +658,11 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     replay = cli("verify", "tiny-sd15-8GB.yaml", "--repeats", "1")
     assert replay.returncode == 0, replay.stderr
     assert "replayed" in replay.stdout and "fits" in replay.stdout
-    tight = profile | {"budget": {"memory_bytes": 2**20}}
+    # recorded as fitting 1 MiB (a profile's points fit its budget, else it does not load), it
+    # replays at hundreds of MiB
+    tight = profile | {"budget": {"memory_bytes": 2**20},
+                       "best": {**profile["best"], "peak_memory_bytes": 2**10},
+                       "pareto": [{**p, "peak_memory_bytes": 2**10} for p in profile["pareto"]]}
     (tmp_path / "tight.yaml").write_text(yaml.safe_dump(tight, sort_keys=False))
     replay = cli("verify", "tight.yaml", "--repeats", "1")
     assert replay.returncode == 3
@@ -1090,7 +1094,8 @@ def test_the_export_line_printed_for_a_study_pastes_into_a_shell(tmp_path):
 # ---- verify ------------------------------------------------------------------------------------------
 def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, config=None, model="tiny-sd15",
                   measurement=None):
-    """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it."""
+    """A profile of tiny-sd15's default config at 64x64, 1 step, as `autotune verify` reads it. Its
+    recorded peak, 200 MiB, fits a 2 GB budget with 1800 MB of margin; a replay peaks at about 500 MiB."""
     from autotune import fingerprint
     from autotune.models import resolve_model
     from autotune.sizes import parse_margin, parse_size
@@ -1099,7 +1104,7 @@ def write_profile(path, device="cpu", budget="2GB", margin="5%", threads=1, conf
     spec = resolve_model(model)
     workload = Workload(**{**spec.default_workload.to_dict(), "height": 64, "width": 64, "steps": 1})
     budget_bytes = parse_size(budget)
-    point = {"trial": 0, "config": config or {}, "latency_s": 0.1, "peak_memory_bytes": 400 * 2**20}
+    point = {"trial": 0, "config": config or {}, "latency_s": 0.1, "peak_memory_bytes": 200 * 2**20}
     path.write_text(yaml.safe_dump({
         "autotune_profile": 1, "model": spec.to_dict(), "workload": workload.to_dict(),
         "budget": {"memory_bytes": budget_bytes, "margin": margin, "margin_bytes": parse_margin(margin, budget_bytes)},

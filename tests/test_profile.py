@@ -619,6 +619,9 @@ def test_an_empty_profile_path_is_named_so():
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "1: true", 1)), "unknown knob(s): 1"),
         (lambda p: edit(p, lambda d: d["budget"].update(margin="99GB")),
          "budget.margin 99GB leaves nothing of the budget (4.00 GiB)"),
+        # a budget edited below the best's peak: it loaded, and choose() gave the best for it (helper-10)
+        (lambda p: edit(p, lambda d: d["budget"].update(memory_bytes=512 * 2**20)),
+         "best peaks at 3.00 GiB, over the budget of 512.00 MiB less its margin of 0 B: autotune writes only points that fit"),
         # a tiny model is built from its family alone: another name loaded tiny-sd15 in silence
         (lambda p: edit(p, lambda d: d["model"].update(name="tiny-nonexistent")),
          "a tiny model of family sd15 is named tiny-sd15, not 'tiny-nonexistent'"),
