@@ -397,9 +397,10 @@ def print_verification(out: Console, profile, result: dict, fits: bool | None = 
     """Recorded against replayed figures, and the verdict cli.py computed: whether the replayed
     peak plus the profile's margin is within its budget (None: the replay failed, no verdict)."""
     best, budget = profile.best, profile.budget_bytes
-    # the replay's own status: "ran" where it measured (not a verdict: that is the budget's line)
-    ran = "ran" if result.get("status") == OK else result.get("status")
-    table = Table(title=f"replay of {profile.path} ({ran})")
+    # how the replay ended, not a verdict (that is the budget's line): "(ok)" over figures 12x the
+    # recorded read as one; "(ran)" said nothing to a newcomer (helper-10)
+    how = "in a fresh process" if result.get("status") == OK else f"(failed: {result.get('status')})"
+    table = Table(title=f"replay of {profile.path} {how}")
     for col in ("", "recorded", "replayed", "replayed / recorded"):
         table.add_column(col)
     for label, key, fmt in (

@@ -580,8 +580,8 @@ def _unbudgeted_front(points: list[Point]) -> list[Point]:
 
 
 def knob_importance(study: StudyData, target: str = "latency") -> tuple[dict[str, float], str | None]:
-    """Which knobs move latency (or peak memory) most: optuna's PED-ANOVA evaluator over the
-    study's measured, successful, non-duplicate trials. Returns (importances, note); the note
+    """Which knobs set the fastest (or smallest) trials apart from the rest: optuna's PED-ANOVA
+    evaluator over the study's measured, successful, non-duplicate trials (IMPORTANCE_READING). Returns (importances, note); the note
     says why there are none (none measured, too few, nothing varied, the figure within noise over
     them: IMPORTANCE_NOISE, a profile without its study)."""
     import optuna
@@ -1004,8 +1004,11 @@ def plot_importances(studies: list[StudyData]):
 
 
 def _counted(kind: str, bars: int, measured_again: int) -> str:
-    """A timeline class's count as said: a confirmation phase is one bar of many trials."""
-    return f"{bars}: {count(measured_again, 'trial')}" if kind == "confirmation" else str(bars)
+    """A timeline class's count as said: a confirmation phase is one bar of many trials (a shared
+    study may hold several phases; "confirmation phase 1: 6 trials" left a newcomer guessing)."""
+    if kind != "confirmation":
+        return str(bars)
+    return f"{count(measured_again, 'trial')} measured again" + (f", {bars} phases" if bars > 1 else "")
 
 
 @_drawn_when_measured
@@ -1106,7 +1109,7 @@ def overview_html(studies: list[StudyData]) -> str:
     """What was loaded: one line per study, and the notes (missing storages, too few trials)."""
     items = []
     for s in studies:
-        counts = ", ".join(f"{CLASS_NAMES.get(k, k)} {_counted(k, n, s.measured_again)}"
+        counts = ", ".join(f"{CLASS_NAMES.get(k, k)}{':' * (k == 'confirmation')} {_counted(k, n, s.measured_again)}"
                            for k, n in sorted(s.counts.items())) or "no trials"
         where = display_url(s.storage) if s.storage else "no storage"  # never a password
         items.append(f"<li><b>{html.escape(s.label)}</b>: study {html.escape(s.name)} in "

@@ -361,8 +361,8 @@ def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_t
     # not 8 trials, 3 failed: the interrupted one measured nothing, and failed at nothing
     assert fig.axes[0].get_yticklabels()[0].get_text().endswith("3 trials, 1 failed")
     # one bar, and the four trials it measured again (it counted as one)
-    assert "confirmation phase (1: 4 trials)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "confirmation phase 1: 4 trials" in report.overview_html([data])
+    assert "confirmation phase (4 trials measured again)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "confirmation phase: 4 trials measured again" in report.overview_html([data])
 
 
 def test_the_timeline_classes_a_trial_as_its_confirmations_rule_its_config_out(tmp_path):
