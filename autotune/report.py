@@ -953,8 +953,11 @@ def plot_speedups(studies: list[StudyData]):
 @_labels_as_written
 def plot_importances(studies: list[StudyData]):
     """Knob importance for latency and for peak memory (PED-ANOVA), one bar per study; a study
-    with too few trials gets a note instead of bars."""
+    with too few trials gets a note instead of bars. None where no study has its trials (the
+    overview's notes say why)."""
     studies = _charted(studies)
+    if not any(s.trials for s in studies):
+        return None
     results = {t: [knob_importance(s, t) for s in studies] for t in ("latency", "memory")}
     knobs = sorted({k for t in results for imp, _ in results[t] for k in imp})
     notes = sorted({note for t in results for _, note in results[t] if note})
@@ -1016,8 +1019,11 @@ def _counted(kind: str, bars: int, measured_again: int) -> str:
 def plot_timeline(studies: list[StudyData]):
     """Each trial as a bar from its start to its end, one row per study, coloured by how it
     ended (ok, over budget, each failure class, duplicate, forbidden, known not to fit), and the confirmation
-    phase as one bar; counts in the legend."""
+    phase as one bar; counts in the legend. None where no study has its trials (profiles without
+    their studies: an empty chart, its one note over the title; helper-10)."""
     studies = _charted(studies)
+    if not any(s.timeline for s in studies):
+        return None
     fig = _figure(10, 1.5 + 0.8 * len(studies))
     ax = fig.add_subplot()
     total: dict[str, int] = {}
@@ -1046,7 +1052,7 @@ def plot_timeline(studies: list[StudyData]):
     ticks = [f"{s.label}\n{count(sum(n for k, n in s.counts.items() if k not in NOT_MEASURED), 'trial')}, "
              f"{sum(n for k, n in s.counts.items() if k in FAILURES)} failed" for s in studies]
     ax.set_yticks(range(len(studies)), ticks, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(studies) - 0.5, -0.5)  # top down, each row whole: a row with no bars set no limits
     ax.set_xlabel("seconds since the study's first trial started")
     ax.set_title("Trial timeline: how each trial ended")
     ax.grid(axis="x", alpha=0.3)

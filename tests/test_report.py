@@ -1143,6 +1143,10 @@ def test_a_profile_whose_storage_moved_given_beside_its_study_is_compared_once(s
     assert loaded.source == "profile" and loaded.notes == [
         "no storage.yaml: it records no study storage: front and best from the profile only, no timeline or knob "
         "importance"]
+    # as the note says: no timeline or importance chart (both were drawn empty, the timeline's one
+    # line over its title; helper-10)
+    names = [p.name for p in report.write_report([loaded], tmp_path / "out")]
+    assert "timeline.png" not in names and "importance.png" not in names and "fronts.png" in names, names
 
 
 def test_a_study_whose_trials_ran_out_of_host_memory_under_a_gpu_budget_is_not_said_not_to_fit():
