@@ -44,7 +44,7 @@ DEFAULT_REPORT_DIR = "autotune-report"  # beside autotune-studies/, in the curre
 MIN_IMPORTANCE_TRIALS = 4  # measured (ok) trials needed before ranking knobs means anything
 # A figure that ranges less than this over a study's trials is not ranked: a floor, within the
 # noise between trials of one config (peak memory 0.8-3.9% on the tiny models, 5-6% in a tiny-flux
-# run, glibc's placement of freed blocks; latency medians 3-37%:
+# run, glibc's placement of freed blocks; latency medians 2.9-36%:
 # benchmarks/results/measurement_stability.md). PED-ANOVA ranks by order, however small the gaps.
 IMPORTANCE_NOISE = 0.05
 # What the importance bars say, under them: PED-ANOVA compares a knob's values in the best trials

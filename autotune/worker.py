@@ -153,9 +153,10 @@ def _first_warm_call(config: dict, device: str) -> int | None:
     """Which call of a trial is its first warm one (measure.far_slower_at_once). On a CPU the first
     where nothing is compiled in it, else the second. On a GPU the second: a fresh process's first
     call loads its CUDA kernels (lazily, by default), makes cuBLAS and cuDNN handles and, with
-    cuDNN attention or benchmark mode, autotunes (SDXL bfloat16 on an H100: 2.90 s, then 0.83-0.99 s;
-    a tiny model's first call, many times its warm ones, would be cut as far too slow); none to rely on
-    where the calls after the first record a CUDA graph (how many they take is torch's business)."""
+    cuDNN attention or benchmark mode, autotunes (SDXL bfloat16 on an H100: 2.90 s, then
+    0.81-0.99 s in its warm-up calls; a tiny model's first call, many times its warm ones, would
+    be cut as far too slow); none to rely on where the calls after the first record a CUDA graph
+    (how many they take is torch's business)."""
     from .knobs.compile import CUDA_GRAPH_MODES
 
     mode = config.get("compile", "none")
