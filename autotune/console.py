@@ -456,8 +456,13 @@ def print_profile(out: Console, profile) -> None:
         out.print(f"  choice: {d['study']['choice']}")
     # The pick is off the front when it was kept over a faster config within noise (the choice
     # line says why): it gets its row too, so the table holds what "best" names.
+    # Configs compared complete: a knob left at its default may be deleted from the best by hand
+    # (a documented edit), and its front point is still the best. (knobs imports torch: here, so
+    # this module stays light.)
+    from .knobs import complete
+
     def is_best(point) -> bool:
-        return point.get("trial") == best.get("trial") and point["config"] == best["config"]
+        return point.get("trial") == best.get("trial") and complete(point["config"]) == complete(best["config"])
 
     rows = list(d["pareto"])
     off_front = not any(map(is_best, rows))

@@ -39,8 +39,9 @@ def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:
 def parse_budget(text: str) -> int:
     """A memory budget: a size with its unit (a search for 8 bytes is a search for nothing)."""
     size = parse_size(text)
-    # 2000 is no card's GiB: more likely MB (the bare size parsed, so it is a plain number)
-    likely = "MB" if size >= 256 else "GB"
+    # 2000 is no card's GiB: more likely MB; 949100000 is no card's MiB (905 TiB): likely bytes,
+    # as a serving script passes a budget it read (the bare size parsed: a plain number)
+    likely = "B" if size >= 2**20 else "MB" if size >= 256 else "GB"
     require_unit(text, (likely,), "8GB, 7.5GiB, 8000MiB")
     return size
 

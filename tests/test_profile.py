@@ -1027,6 +1027,16 @@ def test_show_lists_the_best_in_the_front_table_even_when_it_was_kept_within_noi
     assert rows == ["5", "4 (best)", "3"]  # by peak memory
 
 
+def test_show_finds_the_best_on_the_front_when_a_default_knob_was_deleted_from_it_by_hand(tmp_path):
+    # the best was listed twice, once "kept within noise, not on it", as its config no longer
+    # matched its front point's to the letter
+    doc = document()
+    del doc["best"]["config"]["attention"]  # at its default: the same config
+    text = show(load_profile(profile_io.save(doc, tmp_path / "edited.yaml")))
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert rows == ["5", "3 (best)"] and "not on it" not in text
+
+
 def test_a_profile_cut_short_at_any_line_is_refused(tmp_path):
     """A copy that broke off: 5000 of 6641 bytes loaded, with one of two front points and `study`
     null, and `show` printed "study: None in None". Every cut before the last line is refused."""

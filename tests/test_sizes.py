@@ -84,6 +84,9 @@ def test_a_budget_needs_its_unit():
         parse_budget("8")
     with pytest.raises(ValueError, match="'2000' has no unit: did you mean 2000MB"):  # not 2000GB
         parse_budget("2000")
+    # as MB it would be 905 TiB: a count of bytes, as a serving script passes one, is the likely meaning
+    with pytest.raises(ValueError, match="'949100000' has no unit: did you mean 949100000B"):
+        parse_budget("949100000")
 
 
 @pytest.mark.parametrize("peak, margin", [(733 * 2**20, "5%"), (123456789, "12.5%"), (10**9, "512MB"), (10**9, "0"),
