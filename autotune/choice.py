@@ -40,7 +40,10 @@ def simplest_within_noise(confirmed: list[T], latency: Callable[[T], float],
                           latencies: Callable[[T], list[float]], config: Callable[[T], Config]) -> T:
     """Among configs measured again (`latencies`: their trials' medians; `latency`: the median of
     those): the one that changes fewest knobs from the default among those whose median is no
-    higher than the fastest one's slowest trial, then the lowest median."""
+    higher than the fastest one's slowest trial, then the lowest median. The fastest is within
+    its own noise whatever its trials (a profile's point may carry a median its listed trials do
+    not bound: edited, or written by an earlier autotune)."""
     fastest = min(confirmed, key=latency)
-    within_noise = [c for c in confirmed if latency(c) <= max(latencies(fastest))]
+    bound = max([latency(fastest), *latencies(fastest)])
+    within_noise = [c for c in confirmed if latency(c) <= bound]
     return min(within_noise, key=lambda c: (changes(config(c)), latency(c)))

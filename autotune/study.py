@@ -18,6 +18,7 @@ journal files through a heartbeat kept here as a trial attribute).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import math
@@ -151,13 +152,16 @@ class TrialRecord:
 
     @property
     def latency_s(self) -> float | None:
-        """The trial's median, or with confirmations the median of its trials' medians: of those
-        timed without busy neighbours where any was (quiet_medians_s), else of all. On a machine
-        busy on and off the default pipeline was timed at 0.72 s quiet and at 11.1 and 14.3 s
-        beside a neighbour: the median of all three reported a speedup of 13x."""
+        """The trial's median, or with confirmations the median of its quiet trials' medians
+        (quiet_trials: those timed without busy neighbours, else the two least disturbed). On a
+        machine busy on and off the default pipeline was timed at 0.72 s quiet and at 11.1 and
+        14.3 s beside a neighbour: the median of all three reported a speedup of 13x. The same
+        trials as its spread (quiet_latencies_s): read from all, the median of four trials timed
+        under load lay above its two least disturbed, and choose_best found no config within
+        its own spread and crashed (helper-12)."""
         if not self.confirmations:
             return self.result.get("latency_s")
-        return statistics.median(self.quiet_medians_s or self.latencies_s)
+        return statistics.median(self.quiet_latencies_s or self.latencies_s)
 
     def measured_trials(self) -> list[dict]:
         """Its trials that measured a median: the first, then its confirmations, in order."""
@@ -394,7 +398,7 @@ def _fail_stale_trials(study: optuna.Study) -> None:
         journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
         for frozen in _running(study):
-            orphaned = _holder_gone(frozen)
+            orphaned = _holder_gone(frozen) or _never_held(frozen, now)
             if journal and not orphaned:
                 # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the
                 # user attributes): its own start is the fresher sign of life until it beats itself.
@@ -431,6 +435,18 @@ def _given_up(trials: list[optuna.trial.FrozenTrial]) -> list[Config]:
 def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
     """Whether the process of this machine that held this running trial has ended."""
     return storages.is_gone(frozen.user_attrs.get(PROCESS), frozen.number)
+
+
+def _never_held(frozen: optuna.trial.FrozenTrial, now: float) -> bool:
+    """Whether a running trial (or confirmation claim) is GRACE_S old and no process ever marked
+    it its own (PROCESS; one a retry copied from the dead trial is not its own): its worker died
+    in the moment between taking it and marking it, before the first heartbeat of an RDB
+    storage, and Optuna's fail_stale_trials, which reads only those, never failed it. Left
+    running, it held every later confirmation phase waiting (helper-12)."""
+    holder = frozen.user_attrs.get(PROCESS, "none")
+    marked = holder is None or isinstance(holder, dict) and holder.get("trial") == frozen.number
+    started = frozen.datetime_start
+    return not marked and started is not None and now - started.timestamp() >= storages.GRACE_S
 
 
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
@@ -865,23 +881,48 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
             on_step(f"not measured again: [{config_changes(config)}], whose process died "
                     f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "
                     "out-of-memory killer?); the sampler may propose it again")
-    warm = _queue_baseline_and_warm_start(study, req, created, on_step)
-    # The seeds are queued once per study, by the run that finds them not queued yet: the one that
-    # created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL) before it
-    # queued them. (A study of an autotune before the mark: its seed trials say so.)
-    seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
-        t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
-    # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32 is a
-    # choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
-    seeds_in_bfloat16 = seeds_pending and "float32" in req.space.choices_of("dtype") and any(
-        s.get("dtype") == "bfloat16" for s in req.space.seed_configs())
-    calibration = _calibrate(study, req, measure, on_step, seeds_in_bfloat16)
-    # Seeds go in after the calibration, whose two calls say which precision is fast here. A run
-    # stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates and
-    # queues them. Read again: a worker that joined while another calibrated found them pending too.
-    if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
-        _queue_seeds(study, req, calibration, warm)
+    with _setting_up_alone(req.workdir, on_step):
+        warm = _queue_baseline_and_warm_start(study, req, on_step)
+        # The seeds are queued once per study, by the run that finds them not queued yet: the one
+        # that created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL)
+        # before it queued them. (A study of an autotune before the mark: its seed trials say so.)
+        seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
+            t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
+        # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32
+        # is a choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
+        seeds_in_bfloat16 = seeds_pending and "float32" in req.space.choices_of("dtype") and any(
+            s.get("dtype") == "bfloat16" for s in req.space.seed_configs())
+        calibration = _calibrate(study, req, measure, on_step, seeds_in_bfloat16)
+        # Seeds go in after the calibration, whose two calls say which precision is fast here. A
+        # run stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates
+        # and queues them. Read again: a worker on another machine may have queued them meanwhile.
+        if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
+            _queue_seeds(study, req, calibration, warm)
     return study
+
+
+@contextlib.contextmanager
+def _setting_up_alone(workdir: Path, on_step: Callable[[str], None]):
+    """One worker of this machine at a time through the study's set-up: two started at once in
+    one folder made their reference calls in the same folders (one run's clean-up could delete
+    the other's result, a "crashed" call that stopped it) and each set the quality guard
+    (helper-12). The one that waits then finds the baseline queued, the reference made and the
+    guard set. (Workers on two machines may still both queue the baseline when they start within
+    a moment of each other: the second is settled as a duplicate, unmeasured.) A file lock
+    (filelock, which torch itself requires): the OS frees it when its holder dies, SIGKILL too."""
+    import filelock
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(workdir / ".set-up.lock")
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        on_step("another worker on this machine is setting this study up (its reference calls): waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
@@ -913,12 +954,15 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
     study.set_user_attr("request", _request_attr(req))
 
 
-def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, created: bool,
+def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest,
                                    on_step: Callable[[str], None]) -> list[Config]:
-    """Queue the baseline (in a new study) and the --warm-start configs not queued or measured yet;
-    returns every warm-start config the space keeps (queued now or before: the seeds leave them out)."""
+    """Queue the baseline where the study has none (a new study, or one whose creator stopped
+    before it queued it) and the --warm-start configs not queued or measured yet; returns every
+    warm-start config the space keeps (queued now or before: the seeds leave them out)."""
     space = req.space
-    if created:
+    # Queued by the creator alone, a Ctrl-C or SIGKILL in the 70 ms between the study's creation
+    # and this left a study that never had a baseline: no speedup, none in its profile (helper-12).
+    if not any(t.user_attrs.get("baseline") for t in study.get_trials(deepcopy=False)):
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
     # On a study that exists too (a resume given --warm-start was silently left as it was): the
     # configs it has not measured, run or queued yet (Optuna compares the params).
@@ -1426,7 +1470,9 @@ def contenders(outcome: StudyOutcome) -> list[TrialRecord]:
     # low): a config left out on its one figure may now beat them all. It is measured again too,
     # else it would sit on the profile's Pareto front faster than the pick on evidence that
     # confirmation discounted, and a smaller budget would pick it.
-    medians = [r.latency_s for r in chosen if r.confirmations]
+    # Of the feasible: a baseline over the budget, here for its figure, sets no bar (its
+    # quiet median kept a faster config off the pick and left it alone on the front; helper-12).
+    medians = [r.latency_s for r in chosen if r.confirmations and r.feasible]
     if medians:
         taken = {r.number for r in chosen}
         chosen += [r for r in feasible if r.number not in taken and first(r) < min(medians)]
