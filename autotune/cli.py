@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -276,7 +277,7 @@ def _gpu_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from .errors import AutotuneError
+    from .errors import AutotuneError, os_reason
 
     try:  # from the first line: a Ctrl-C while it imports is "interrupted" too, not a traceback
         terminate_as_interrupt()
@@ -304,6 +305,24 @@ def main(argv: list[str] | None = None) -> int:
         STOPPING.set()  # to the process's end: main's return, then stop_signals_exit_with
         print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (`autotune export | head -1`): nothing to say
+        _stdout_to_devnull()
+        return EXIT_ERROR
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
+        # a full disk or a dead terminal (`autotune show p.yaml > /dev/full`): one line, and no
+        # second traceback from Python's flush of stdout at exit
+        _stdout_to_devnull()
+        print(f"autotune: error: cannot write: {os_reason(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, as Python's docs advise after a broken pipe: the interpreter's
+    flush of stdout at exit would fail again, with a message of its own."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 INTERRUPTED = threading.Event()  # set once a stop signal has come: the run is stopping
@@ -853,6 +872,7 @@ def _write_profile(out, request, outcome, output: Path | None, default_named: bo
         out.print(f"no profile written (--no-profile): {export_command(request.study_name, request.storage)}")
         return 0
     document = profile_io.build(request, outcome, storage_label=display_url(request.storage))
+    profile_io.validate(document, output)  # never a file load_profile refuses (a study's request edited)
     try:
         replaced = _check_output_replaceable(output, request.study_name, default_named)
         path = profile_io.save(document, output)
@@ -1096,7 +1116,7 @@ def _list_studies(backend, storage: str) -> None:
         study = optuna.load_study(study_name=summary.study_name, storage=backend)
         try:  # as export reads it: a study listed as autotune's is one export writes a profile of
             request = request_of(study, storage)
-        except AutotuneError:
+        except AutotuneError:  # another tool's, an older autotune's, or a request edited out of shape
             what = f"{count(summary.n_trials, 'trial')}, not one autotune can export"
         else:
             what = (f"{request.spec.name}, {request.target.device}, budget {format_size(request.budget_bytes)}, "

@@ -35,7 +35,7 @@ from .knobs.base import denoiser
 from .knobs.precision import DTYPES
 from .models import (FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, pipeline_class_here,
                      spec_problem)
-from .sizes import fits, format_size, parse_budget, parse_margin
+from .sizes import check_size, fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -296,6 +296,10 @@ class Profile:
         if not _is_number(budget_bytes) or budget_bytes < 1:
             raise ProfileError(f"budget_bytes must be a positive number of bytes or a size such as "
                                f"'6GB', not {budget_bytes!r:.40}")
+        try:
+            check_size(budget_bytes, "budget_bytes")
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
         return int(budget_bytes)
 
     def margin_bytes(self, budget_bytes: int | str | None = None) -> int:
@@ -555,6 +559,8 @@ def _device_here(device: str) -> bool:
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     """Read and validate a profile; warn (ProfileMismatchWarning) when this machine or its
     library versions differ from those it was measured on."""
+    if not isinstance(path, (str, os.PathLike)):  # load_profile(os.environ.get("PROFILE")), unset
+        raise ProfileError(f"profile path must be a path (text or os.PathLike), not {path!r:.40}")
     if not str(path).strip():  # Path("") is the current folder: "profile .: Is a directory"
         raise ProfileError("profile path is empty: give the file autotune wrote")
     path = Path(path)
@@ -580,7 +586,10 @@ OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs
 
 def _is_number(value) -> bool:
     """A real, finite number: not a bool (YAML's true is an int to Python), not text."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool):
+        return False
+    # an int is finite however large (math.isfinite overflows on 10**400)
+    return isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
 
 
 def _check_measurement(measured: dict, path) -> None:
@@ -623,6 +632,9 @@ def _check_point(point, where: str, path, hint: str = "") -> None:
     for key in ("latency_s", "peak_memory_bytes"):
         if not _is_number(point[key]) or point[key] <= 0:  # measured: seconds and bytes above zero
             raise ProfileError(f"profile {path}: {where}.{key} must be a positive number, not {point[key]!r:.40}")
+    trial = point.get("trial")  # the report matches points by it: a list there was a TypeError
+    if trial is not None and (type(trial) is not int or trial < 0):
+        raise ProfileError(f"profile {path}: {where}.trial must be a trial number (0 or more) or null, not {trial!r:.40}")
     for key in OPTIONAL_POINT_NUMBERS:
         if point.get(key) is not None and not _is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
@@ -673,6 +685,10 @@ def validate(data, path) -> None:
     budget = data["budget"]
     if not _is_number(budget.get("memory_bytes")) or budget["memory_bytes"] <= 0:
         raise ProfileError(f"profile {path}: budget.memory_bytes must be a positive number of bytes")
+    try:
+        check_size(budget["memory_bytes"], "budget.memory_bytes")
+    except ValueError as exc:
+        raise ProfileError(f"profile {path}: {exc}") from None
     if budget.get("margin_bytes") is not None and not _is_number(budget["margin_bytes"]):
         raise ProfileError(f"profile {path}: budget.margin_bytes must be a number or null")
     problem = spec_problem(data["model"])

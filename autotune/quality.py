@@ -64,7 +64,10 @@ def save_png(images: np.ndarray, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     pixels = (np.nan_to_num(np.clip(images[0], 0, 1)) * 255).round().astype(np.uint8)
-    Image.fromarray(pixels).save(path)
+    # atomically, as save_output: a trial killed while writing left a PNG cut short
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    Image.fromarray(pixels).save(tmp, format="PNG")
+    os.replace(tmp, path)
     return path
 
 

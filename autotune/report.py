@@ -1080,8 +1080,14 @@ def plot_images(studies: list[StudyData]):
             if c >= len(imgs):
                 continue
             caption, path = imgs[c]
-            with Image.open(path) as im:
-                ax.imshow(im.convert("RGB"), gid=f"image:{s.label}:{path.name}")
+            try:
+                with Image.open(path) as im:
+                    pixels = im.convert("RGB")  # reads it whole: a file cut short fails here
+            except OSError as exc:  # cut short, empty, not an image (PIL's UnidentifiedImageError is one)
+                ax.text(0.5, 0.5, f"unreadable image\n{path.name}\n({str(exc)[:50]})", ha="center", va="center",
+                        fontsize=7, transform=ax.transAxes, gid=f"unreadable:{s.label}:{path.name}")
+            else:
+                ax.imshow(pixels, gid=f"image:{s.label}:{path.name}")
             # wrapped to the image's width: a long configuration ran past the figure's edge
             ax.set_title(f"{s.label}\n{textwrap.fill(caption, 44)}", fontsize=7)
     fig.suptitle("Output images of the chosen configurations (fixed seed)")

@@ -11,6 +11,9 @@ import re
 from fractions import Fraction
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+# No memory is an exbibyte: a bound that keeps float arithmetic on sizes (shares, charts, YAML
+# floats) finite; 10**400 bytes overflowed it with a traceback (helper-11).
+MAX_SIZE = 2**60
 _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 
 
@@ -24,7 +27,14 @@ def parse_size(text: str) -> int:
     size = int(number * _UNITS[unit])
     if size <= 0:
         raise ValueError(f"'{text}' is not a positive memory size")
+    check_size(size, f"'{text}'" if len(str(text)) <= 24 else f"'{str(text)[:20]}...'")
     return size
+
+
+def check_size(size: int | float, said: str) -> None:
+    """ValueError for a size above MAX_SIZE (`said`: how the message names it)."""
+    if size > MAX_SIZE:
+        raise ValueError(f"{said} is too large for a memory size (over 1 EiB)")
 
 
 def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:
@@ -58,6 +68,7 @@ def parse_margin(text: str, budget: int) -> int:
             raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
         if not 0 <= percent < 100:
             raise ValueError(f"margin '{text}' must be from 0% to under 100%")
+        check_size(budget, "the budget")
         return int(budget * percent / 100)
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit

@@ -42,7 +42,7 @@ from .errors import AutotuneError, first_line
 from .knobs import CATALOGUE, Config, Target, baseline, complete, conflict
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
-from .sizes import format_size, parse_margin
+from .sizes import MAX_SIZE, format_size, parse_margin
 from .space import SearchSpace, config_key
 from .workload import Workload
 
@@ -843,7 +843,7 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
 
     attr = study.user_attrs.get("request")
     try:  # each key _request_attr writes, read where it is needed: one missing is another version's
-        return TuneRequest(
+        req = TuneRequest(
             spec=ModelSpec.from_dict(attr["model"]), workload=Workload.from_dict(attr["workload"]),
             budget_bytes=attr["budget_bytes"], space=SearchSpace([]),
             target=Target(device=attr["device"], family=attr["family"]), storage=storage,
@@ -855,6 +855,17 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
     except (KeyError, TypeError):  # TypeError: no request at all (None)
         raise AutotuneError(f"study {study.study_name}: it records no autotune request (an Optuna study of "
                             "another tool, or one written by an older autotune)") from None
+    except (AutotuneError, ValueError) as exc:  # a model or workload out of shape
+        raise AutotuneError(f"study {study.study_name}: its stored request is malformed: {exc}") from None
+    # What the listing and the profile compute with (an edited request's "x" was a TypeError there)
+    budget = req.budget_bytes
+    try:
+        if type(budget) is not int or not 0 < budget <= MAX_SIZE:
+            raise ValueError(f"budget_bytes {budget!r:.40} is not a positive number of bytes")
+        req.margin_bytes  # noqa: B018 (parses the margin)
+    except ValueError as exc:
+        raise AutotuneError(f"study {study.study_name}: its stored request is malformed: {exc}") from None
+    return req
 
 
 def prepare(req: TuneRequest, measure: Measure | None = None,

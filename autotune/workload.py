@@ -69,6 +69,11 @@ class Workload:
             raise ValueError(f"seed must be a whole number from -2**63 to 2**64 - 1, not {self.seed!r:.40}")
         if not isinstance(self.prompt, str):
             raise ValueError(f"prompt must be text, not {self.prompt!r:.40}")
+        try:  # bytes a terminal could not decode reach Python as lone surrogates: the tokenizer's TypeError
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = self.prompt.encode("utf-8", "backslashreplace").decode()[:60]
+            raise ValueError(f"prompt is not valid UTF-8 text: '{shown}'") from None
         scale = self.guidance_scale
         number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
         if scale is not None and not (number and math.isfinite(scale)):

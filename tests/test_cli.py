@@ -86,6 +86,8 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
     [
         (["--vram", "8XB"], "not a memory size"),
         (["--vram", "-1GB"], "not a positive memory size"),
+        (["--vram", "1" + "0" * 400 + "TB"], "is too large for a memory size (over 1 EiB)"),  # an OverflowError
+        (["--prompt", "caf\udcff", "--trials", "1"], "--prompt is not valid UTF-8 text: 'caf\\udcff'"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),

@@ -114,6 +114,9 @@ def test_choose_takes_a_size_as_the_cli_does(written):
     ("-1GB", "budget_bytes: '-1GB' is not a positive memory size"),
     ("lots", "budget_bytes: 'lots' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)"),
     ("6", "budget_bytes: '6' has no unit: did you mean 6GB?"),  # as --vram reads it, not 6 bytes
+    (10**400, "budget_bytes is too large for a memory size (over 1 EiB)"),  # an OverflowError
+    (1e308, "budget_bytes is too large"),
+    ("1" + "0" * 400 + "GB", "budget_bytes: '10000000000000000000...' is too large"),
 ])
 def test_a_budget_that_is_not_a_positive_size_is_one_line(written, budget, message):
     # -1 said "no configuration in this profile fits -1 B", as if a smaller config might
@@ -1236,3 +1239,34 @@ def test_nvml_finds_a_gpu_by_its_uuid_as_torch_nvml_or_cuda_write_it():
     assert fingerprint.nvml_handle(Nvml(), "GPU-8932f937") == 1  # a prefix, as CUDA takes it
     with pytest.raises(AutotuneError, match="the NVIDIA driver lists no GPU GPU-ffff"):
         fingerprint.nvml_handle(Nvml(), "GPU-ffff")
+
+
+@pytest.mark.parametrize("where, value, message", [
+    (("budget", "memory_bytes"), 1e308, "budget.memory_bytes is too large for a memory size"),  # an OverflowError
+    (("best", "trial"), [1], "best.trial must be a trial number (0 or more) or null, not [1]"),  # the report's TypeError
+    (("baseline", "trial"), {"a": 1}, "baseline.trial must be a trial number"),
+    (("best", "trial"), True, "best.trial must be a trial number"),
+])
+def test_a_field_no_autotune_writes_so_is_refused_when_read(tmp_path, where, value, message):
+    doc = document()
+    doc[where[0]][where[1]] = value
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+
+
+@pytest.mark.parametrize("path", [None, 123, b"p.yaml"])
+def test_a_profile_path_that_is_no_path_is_a_profile_error(path):
+    # load_profile(os.environ.get("PROFILE")) with the variable unset was a TypeError from pathlib
+    with pytest.raises(ProfileError, match="profile path must be a path"):
+        load_profile(path)
+
+
+def test_show_to_a_full_disk_is_one_line(written):
+    # `autotune show p.yaml > /dev/full` ended in rich's OSError traceback (helper-11)
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "autotune", "show", str(written)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == "autotune: error: cannot write: No space left on device\n"

@@ -321,6 +321,28 @@ def test_images_are_shown_where_kept_relative_or_absolute_and_missing_ones_are_s
     assert "out_of_memory (1)" in legend and "known not to fit (1)" in legend and "forbidden (1)" in legend
 
 
+def test_an_image_cut_short_or_not_an_image_is_said_unreadable_where_it_would_be(tmp_path):
+    # the report stopped with a traceback on a trial's PNG cut short ("image file is truncated"),
+    # an empty one, or a profile's image naming another kind of file (helper-11)
+    import numpy as np
+    from PIL import Image
+
+    from autotune import report
+
+    whole = write_png(tmp_path / "db" / "images" / "base.png", "blue")
+    cut = tmp_path / "db" / "images" / "cut.png"
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)  # no run compresses away
+    Image.fromarray(noise).save(cut)
+    cut.write_bytes(cut.read_bytes()[:len(cut.read_bytes()) // 2])  # the header whole, half the pixels
+    (tmp_path / "db" / "images" / "empty.png").write_bytes(b"")
+    url = synthetic_study(tmp_path, {0: str(whole), 1: "images/cut.png", 2: "images/empty.png"})
+    (study,) = report.load(f"synthetic@{url}")
+    fig = report.plot_images([study])
+    assert len([im for ax in fig.axes for im in ax.images]) == 1
+    unreadable = [t.get_gid() for ax in fig.axes for t in ax.texts if (t.get_gid() or "").startswith("unreadable")]
+    assert unreadable == [f"unreadable:{study.label}:cut.png"]  # trial 2 is not a chosen one
+
+
 def test_the_timeline_draws_the_confirmation_phase_and_counts_only_the_searchs_trials(tmp_path):
     """A study's confirmation phase (the claim a worker holds while it measures the contenders
     again) is one bar, and neither it nor the proposals not measured count as trials."""

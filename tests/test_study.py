@@ -2026,3 +2026,26 @@ def test_two_workers_started_at_once_in_one_folder_set_the_study_up_once(tmp_pat
     trials = optuna.load_study(study_name="s", storage=storages.open_storage(url)).trials
     assert len([t for t in trials if t.user_attrs.get("seed")]) == len(BF16_SEEDS)  # queued once
     assert len([t for t in trials if t.user_attrs.get("baseline")]) == 1  # queued by the first, found by the other
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("budget_bytes", "x", "budget_bytes 'x' is not a positive number of bytes"),  # a TypeError in the listing
+    ("budget_bytes", -1, "budget_bytes -1 is not a positive number of bytes"),  # a profile load_profile refused
+    ("margin", "lots", "'lots' is not a margin"),  # a traceback
+])
+def test_a_study_whose_stored_request_was_edited_out_of_shape_is_refused_by_name(tmp_path, key, value, message):
+    import optuna
+
+    from helpers import run_cli
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    measure, _ = fake_measure(lambda config: 1.0)
+    study.tune(request(SearchSpace(SPACE), tmp_path, storage=url, trials=2), measure=measure)
+    stored = optuna.load_study(study_name="s", storage=url)
+    stored.set_user_attr("request", {**stored.user_attrs["request"], key: value})
+    listing = run_cli("export", "--storage", url, cwd=tmp_path)
+    assert "Traceback" not in listing.stderr and "  s  (2 trials, not one autotune can export)" in listing.stdout
+    proc = run_cli("export", "--study-name", "s", "--storage", url, "-o", tmp_path / "p.yaml", cwd=tmp_path)
+    assert proc.returncode == 1 and not (tmp_path / "p.yaml").exists()
+    assert proc.stderr.strip() == f"autotune: error: study s: its stored request is malformed: {message}" + (
+        " (examples: 5%, 512MB, 0)" if key == "margin" else "")
