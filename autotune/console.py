@@ -274,20 +274,26 @@ def _medians_said(rec) -> str:
     """The trials a confirmed config's median is of: its quiet ones where it has any, the others
     said apart (TrialRecord.latency_s)."""
     quiet, others = rec.quiet_medians_s, rec.under_load_medians_s
-    if not quiet or not others:
-        every = rec.latencies_s
-        return f"median of {count(len(every), 'trial')}: " + ", ".join(f"{x:.3f}" for x in every) + " s"
+    listed = lambda values: ", ".join(f"{x:.3f}" for x in values) + " s"  # noqa: E731
+    every, kept = rec.latencies_s, rec.quiet_latencies_s
+    if not others or not quiet and len(kept) == len(every):
+        return f"median of {count(len(every), 'trial')}: " + listed(every)
+    if not quiet:  # all timed under load: the two least disturbed
+        aside = list(every)
+        for x in kept:
+            aside.remove(x)
+        return (f"median of the {len(kept)} least disturbed of {len(every)} trials, all timed under load: "
+                + listed(kept) + "; left aside: " + listed(aside))
     said = "1 quiet trial" if len(quiet) == 1 else f"median of {len(quiet)} quiet trials"
-    return (f"{said}: " + ", ".join(f"{x:.3f}" for x in quiet)
-            + f" s; {len(others)} timed under load left aside: " + ", ".join(f"{x:.3f}" for x in others) + " s")
+    return f"{said}: " + listed(quiet) + f"; {len(others)} timed under load left aside: " + listed(others)
 
 
 def _median_range(rec) -> str:
     """The range of the trials a confirmed config's median is of (TrialRecord.latency_s), and how
     many timed under load it leaves aside: the range of all read 0.372-9.896 s for a median of 0.396 s."""
-    quiet, under_load = rec.quiet_medians_s, rec.under_load_medians_s
-    of = quiet or rec.latencies_s
-    return f"{min(of):.3f}-{max(of):.3f}" + (f"; {len(under_load)} under load left aside" if quiet and under_load else "")
+    of = rec.quiet_latencies_s or rec.latencies_s
+    aside = len(rec.latencies_s) - len(of)
+    return f"{min(of):.3f}-{max(of):.3f}" + (f"; {aside} under load left aside" if aside > 0 else "")
 
 
 def print_share(out: Console, outcome) -> None:

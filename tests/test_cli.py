@@ -1394,7 +1394,7 @@ def test_a_confirmation_round_cut_short_says_so_on_its_again_line():
 
 
 def test_a_confirmed_configs_median_names_the_trials_timed_under_load_it_leaves_aside():
-    from autotune.console import _medians_said
+    from autotune.console import _median_range, _medians_said
     from autotune.study import TrialRecord
 
     def run(latency, taken):
@@ -1404,8 +1404,13 @@ def test_a_confirmed_configs_median_names_the_trials_timed_under_load_it_leaves_
     assert _medians_said(one) == "1 quiet trial: 0.720 s; 2 timed under load left aside: 11.054, 14.323 s"
     two = TrialRecord(0, {}, "ok", run(5.7, 1.0), -0.5, confirmations=[run(0.41, 0.0), run(0.39, 0.0)])
     assert _medians_said(two) == "median of 2 quiet trials: 0.410, 0.390 s; 1 timed under load left aside: 5.700 s"
-    busy = TrialRecord(0, {}, "ok", run(5.0, 1.0), -0.5, confirmations=[run(6.0, 1.0), run(7.0, 1.0)])
-    assert _medians_said(busy) == "median of 3 trials: 5.000, 6.000, 7.000 s" and busy.latency_s == 6.0
+    # all timed under load: the median of the two least disturbed (0.5 and 0.6 of a core taken)
+    busy = TrialRecord(0, {}, "ok", run(5.0, 0.5), -0.5, confirmations=[run(6.0, 0.6), run(7.0, 1.0)])
+    assert _medians_said(busy) == ("median of the 2 least disturbed of 3 trials, all timed under load: 5.000, "
+                                   "6.000 s; left aside: 7.000 s") and busy.latency_s == 5.5
+    assert _median_range(busy) == "5.000-6.000; 1 under load left aside"
+    two = TrialRecord(0, {}, "ok", run(5.0, 0.5), -0.5, confirmations=[run(6.0, 0.6)])
+    assert _medians_said(two) == "median of 2 trials: 5.000, 6.000 s" and _median_range(two) == "5.000-6.000"
 
 
 def test_the_summary_marks_a_headroom_short_of_the_margin():
