@@ -31,7 +31,7 @@ from .choice import simplest_within_noise
 from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_found, apply_config, build_configured,
                     complete, conflict, lora_on_fused_projections, settings_found, unrunnable)
 from .knobs.attention import replaces_processors
-from .knobs.base import denoiser
+from .knobs.base import ProcessSettings, denoiser
 from .knobs.precision import DTYPES
 from .models import (FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, pipeline_class_here,
                      spec_problem)
@@ -494,6 +494,8 @@ class Profile:
         if threads < self.threads:
             warnings.warn(f"measured with {self.threads} CPU thread{'s' if self.threads != 1 else ''}; {threads}, the cores usable here, are used",
                           ProfileMismatchWarning, stacklevel=3)
+        # process-wide too: a pipeline configured before with another count now runs with this one
+        ProcessSettings.configured("torch's CPU thread count", threads)
         torch.set_num_threads(threads)
 
     def check_runs_on(self, device: str | None = None) -> None:
@@ -553,7 +555,12 @@ def _pick_for_budget(points: list[dict]) -> dict:
 
 
 def _device_here(device: str) -> bool:
-    return not device.startswith("cuda") or fingerprint.cuda_available()
+    """Whether `device` (cpu, cuda, cuda:N) exists in this process: a cuda:1 profile read on a
+    machine of one GPU raised NVML's own error from load_profile (helper-13)."""
+    if not device.startswith("cuda"):
+        return True
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return index < fingerprint.cuda_device_count()
 
 
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:

@@ -64,3 +64,13 @@ def a_serving_process_per_test():
     base = sys.modules.get("autotune.knobs.base")
     if base is not None:
         base.ProcessSettings.forget()
+
+
+@pytest.fixture
+def inductor_config():
+    """The inductor flags are process-global: put them back after a test sets them."""
+    from torch._inductor import config
+
+    saved = config.save_config()
+    yield config
+    config.load_config(saved)

@@ -303,6 +303,8 @@ def _loaded_quantized(unet, library: str):
     (lambda pipe: pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32),
      "unet hooks (layerwise_casting)"),
     (lambda pipe: pipe.unet.to(memory_format=torch.channels_last), "unet in channels_last"),
+    # a part of a model (its first convolution left as it was) was taken, that part left converted
+    (lambda pipe: pipe.vae.decoder.to(memory_format=torch.channels_last), "vae in channels_last"),
     (lambda pipe: (pipe.unet.compile_repeated_blocks(), pipe.vae.decoder.compile()),
      "unet blocks compiled; vae blocks compiled"),
     (lambda pipe: pipe.unet.set_default_attn_processor(), "unet attention processors (AttnProcessor)"),
@@ -1139,9 +1141,15 @@ def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_pa
         assert torch.get_num_threads() == 1
         doc["measurement"] = {"threads": 10_000}  # more than this machine has: capped, said
         many = load_profile(profile_io.save(doc, tmp_path / "many.yaml"), check_fingerprint=False)
-        with pytest.warns(ProfileMismatchWarning, match="measured with 10000 CPU threads"):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             many.load_pipeline()
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        said = [str(w.message) for w in said]
+        assert any("measured with 10000 CPU threads" in line for line in said)
+        # process-wide: the pipeline configured with 1 before now runs with as many (helper-13)
+        assert any(line.startswith("torch's CPU thread count: a pipeline configured earlier in this process")
+                   for line in said) == (len(os.sched_getaffinity(0)) > 1)
     finally:
         torch.set_num_threads(before)
 
@@ -1160,7 +1168,7 @@ def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_
         profile.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
-def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_are_said(tmp_path, cpp_compiler):
+def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_are_said(tmp_path, cpp_compiler, inductor_config):
     """Inductor's flags and freezing, TF32 and cuDNN's benchmark are process-wide: a second
     profile's apply set them for the first's pipeline too, in silence (helper 66)."""
     from autotune.models import build_pipeline
@@ -1177,7 +1185,7 @@ def test_two_profiles_in_one_process_that_set_a_process_wide_setting_otherwise_a
         second.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
 
 
-def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing(tmp_path, cpp_compiler):
+def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing(tmp_path, cpp_compiler, inductor_config):
     """Left at their defaults in an untouched process, freezing and the flags returned before
     being recorded: a second profile that set them warned of nothing (helper 69)."""
     from autotune.models import build_pipeline
@@ -1187,6 +1195,23 @@ def test_a_first_profile_at_the_defaults_is_said_too_when_a_second_sets_freezing
     plain.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
     with pytest.warns(UserWarning, match="inductor's freezing: a pipeline configured earlier in this process"):
         frozen.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+
+
+def test_an_uncompiled_profile_leaves_inductors_settings_to_a_compiled_one_beside_it(tmp_path, cpp_compiler,
+                                                                                     inductor_config):
+    """An uncompiled profile applied after a compiled one set inductor's flags and freezing back:
+    the compiled pipeline, compiling at its first call, compiled without what it was measured
+    with. In the other order it warned of a conflict that changes nothing (helper-13)."""
+    from autotune.models import build_pipeline
+
+    compiled = _profile_with(tmp_path / "a.yaml", compile="default", inductor_flags=True, compile_freezing=True)
+    plain = load_profile(profile_io.save(document(), tmp_path / "b.yaml"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*configured earlier in this process")
+        plain.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+        compiled.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+        plain.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
+    assert inductor_config.freezing is True and inductor_config.coordinate_descent_tuning is True
 
 
 def test_a_combination_a_rule_forbids_reads_but_is_not_built(written):
@@ -1270,3 +1295,29 @@ def test_show_to_a_full_disk_is_one_line(written):
         proc = subprocess.run([sys.executable, "-m", "autotune", "show", str(written)], stdout=full,
                               stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr == "autotune: error: cannot write: No space left on device\n"
+
+
+def test_a_profile_of_a_gpu_index_this_machine_lacks_reads_with_a_warning(tmp_path, monkeypatch):
+    """Measured on cuda:1 and read where one GPU is visible, load_profile raised NVML's error for
+    the index (helper-13). No NVIDIA driver here: torch's CUDA build and NVML are stand-ins, one
+    GPU, whose handle exists for index 0 alone."""
+    import sys
+    import types
+
+    def handle(index):
+        if index != 0:
+            raise RuntimeError("NVMLError_InvalidArgument")
+        return index
+
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=handle,
+                                 nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0), nvmlDeviceGetName=lambda h: "GPU",
+                                 nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=80 * GiB),
+                                 nvmlSystemGetDriverVersion=lambda: "570")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    doc = document()
+    doc["machine"] = {**doc["machine"], "device": "cuda:1", "name": "GPU"}
+    with pytest.warns(profile_io.ProfileMismatchWarning, match="device"):
+        profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    assert profile.data["machine"]["device"] == "cuda:1"

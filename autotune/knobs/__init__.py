@@ -331,8 +331,10 @@ def settings_found(pipe) -> list[str]:
             found.append(f"{name} quantized when loaded ({getattr(method, 'value', method) or type(quantizer).__name__})")
         elif any(type(param).__module__.startswith("torchao") for param in model.parameters()):
             found.append(f"{name} weights quantized (torchao)")
+        # any of them: part of a model converted (its decoder, the UNet's up blocks) was taken, and
+        # left that part in channels_last under a profile measured without it (helper-13)
         convs = [m.weight for m in modules if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
-        if convs and convs[0].is_contiguous(memory_format=torch.channels_last) and not convs[0].is_contiguous():
+        if any(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs):
             found.append(f"{name} in channels_last")
         if any(getattr(m, "_chunk_size", None) is not None for m in modules):
             found.append(f"{name} forward chunking")

@@ -137,6 +137,11 @@ _INDUCTOR_FLAGS = ProcessSettings(_read_inductor_flags)
 
 
 def _apply_inductor_flags(pipe, value, target, config):
+    if config["compile"] == "none":
+        # A pipeline that never compiles neither reads nor needs inductor's config: set back, it
+        # undid the flags of a compiled pipeline served beside it before that one's first (lazy)
+        # compile, and recorded, it warned of a conflict that changes nothing (helper-13).
+        return
     # the choice, recorded before the early return: a later configuration that sets them otherwise warns
     _INDUCTOR_FLAGS.configured("inductor's flags", (bool(value), bool(value) and config["quantize"] in DYNAMIC_INT8))
     if not value and not _INDUCTOR_FLAGS.touched:
@@ -179,6 +184,8 @@ _FREEZING = ProcessSettings(lambda: {"freezing": _inductor_config().freezing})
 
 
 def _apply_freezing(pipe, value, target, config):
+    if config["compile"] == "none":
+        return  # as _apply_inductor_flags: inductor's config is no concern of an uncompiled pipeline
     _FREEZING.configured("inductor's freezing", bool(value))  # before the early return, as the flags' choice
     if not value and not _FREEZING.touched:
         return  # never set by autotune in this process: nothing to put back

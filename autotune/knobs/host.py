@@ -28,10 +28,11 @@ import platform
 import warnings
 
 from ..errors import AutotuneError
-from .base import Knob
+from .base import Knob, ProcessSettings
 
 THRESHOLDS = {"1MiB": 1 << 20, "4MiB": 4 << 20}
 _M_MMAP_THRESHOLD = -3  # malloc.h
+SETTING = "glibc's mmap threshold"  # as ProcessSettings.configured names it
 _held: str | None = None  # what this process's threshold was held at by autotune, if it was
 _warned = False
 
@@ -62,16 +63,20 @@ def _apply(pipe, value, target, config):
     # Process-wide, for every block allocated from this call on: knobs.build_configured calls it
     # before it builds the pipeline (knobs.BEFORE_BUILD), so the weights as loaded follow it too.
     global _held, _warned
+    if target.is_cuda:  # a CPU profile's choice, loaded onto a GPU: device memory is what counts there
+        return
     if value == "dynamic":
-        if _held is not None and not _warned:
+        if _held is None:
+            ProcessSettings.configured(SETTING, value)  # a later held threshold holds for this pipeline too
+        elif not _warned:
             # glibc has no call that gives back its rising threshold once one was held.
             _warned = True
             warnings.warn(f"glibc's mmap threshold stays held at {_held} in this process, held by a "
                           "configuration applied before; this one was measured with glibc's default",
                           stacklevel=2)
         return
-    if target.is_cuda:  # a CPU profile's choice, loaded onto a GPU: device memory is what counts there
-        return
+    # said where a pipeline configured before runs under another (helper-13: 1MiB, then 4MiB, in silence)
+    ProcessSettings.configured(SETTING, value)
     libc, why_not = _glibc()
     if libc is None:
         raise AutotuneError(f"malloc_mmap_threshold={value} cannot be held here: {why_not}")
