@@ -311,6 +311,9 @@ def _loaded_quantized(unet, library: str):
     (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "torchao")), "unet quantized when loaded (torchao)"),
     # quanto's weights are no torchao tensors: such a pipeline took the profile in silence
     (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "quanto")), "unet quantized when loaded (quanto)"),
+    # torch's own dynamic quantization: apply failed inside its dtype cast, "partly configured"
+    (lambda pipe: torch.ao.quantization.quantize_dynamic(pipe.unet, {torch.nn.Linear}, dtype=torch.qint8, inplace=True),
+     "unet weights quantized (torch.ao)"),
 ])
 def test_apply_refuses_a_pipeline_its_user_configured_before(written, configure, said):
     """Settings made on a pipeline before apply survived under the profile's (slicing for its

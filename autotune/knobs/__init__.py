@@ -331,6 +331,9 @@ def settings_found(pipe) -> list[str]:
             found.append(f"{name} quantized when loaded ({getattr(method, 'value', method) or type(quantizer).__name__})")
         elif any(type(param).__module__.startswith("torchao") for param in model.parameters()):
             found.append(f"{name} weights quantized (torchao)")
+        elif any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in modules):
+            # torch's own quantize_dynamic: its layers hold packed weights, no parameters to cast
+            found.append(f"{name} weights quantized (torch.ao)")
         # any of them: part of a model converted (its decoder, the UNet's up blocks) was taken, and
         # left that part in channels_last under a profile measured without it (helper-13)
         convs = [m.weight for m in modules if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
