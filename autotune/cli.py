@@ -305,24 +305,33 @@ def main(argv: list[str] | None = None) -> int:
         STOPPING.set()  # to the process's end: main's return, then stop_signals_exit_with
         print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # stdout closed early (`autotune export | head -1`): nothing to say
-        _stdout_to_devnull()
-        return EXIT_ERROR
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-            raise
-        # a full disk or a dead terminal (`autotune show p.yaml > /dev/full`): one line, and no
-        # second traceback from Python's flush of stdout at exit
-        _stdout_to_devnull()
-        print(f"autotune: error: cannot write: {os_reason(exc)}", file=sys.stderr)
+        if not _stdout_failed(exc):
+            raise  # another file's: not to be hidden
+        # Point stdout at /dev/null, as Python's docs advise after a broken pipe: its flush at
+        # exit would fail again, with a message of its own.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if exc.errno != errno.EPIPE:  # closed early (`autotune export | head -1`): nothing to say
+            print(f"autotune: error: cannot write the output: {os_reason(exc)}", file=sys.stderr)
         return EXIT_ERROR
 
 
-def _stdout_to_devnull() -> None:
-    """Point stdout at /dev/null, as Python's docs advise after a broken pipe: the interpreter's
-    flush of stdout at exit would fail again, with a message of its own."""
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+def _stdout_failed(exc: OSError) -> bool:
+    """Whether `exc` came from stdout: a pipe closed early, a full disk or a dead terminal
+    (`autotune show p.yaml > /dev/full` ended in rich's traceback; helper-11), told by writing
+    one byte to it: Python's buffer drops what it failed to write, so a flush says nothing. An
+    error of another file's (helper-14: a forkserver's socket must not pass for stdout) then
+    gets its traceback after a blank line."""
+    if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EIO):
+        return False
+    try:
+        os.write(sys.stdout.fileno(), b"\n")
+    except (ValueError, AttributeError):  # closed, or an object without a file (io.UnsupportedOperation)
+        return False
+    except OSError:
+        return True
+    return False
 
 
 INTERRUPTED = threading.Event()  # set once a stop signal has come: the run is stopping

@@ -523,7 +523,12 @@ class Profile:
         """How this machine, its libraries and this autotune differ from what the profile was
         measured with: a line each."""
         machine = self.data["machine"]
-        here = fingerprint.machine(machine["device"]) if _device_here(machine["device"]) else {"device": "cpu"}
+        device = machine["device"]
+        if _device_here(device):
+            here = fingerprint.machine(device)
+        else:  # "here 'cpu'" misled where GPUs there are, only not that one
+            gpus = fingerprint.cuda_device_count()
+            here = {"device": f"no {device} ({gpus} GPU{'s' if gpus != 1 else ''} visible)" if gpus else "cpu"}
         return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
             self.data["software"], fingerprint.software(), SOFTWARE_KEYS, absent="not installed"
         ) + self._knobs_not_named()
@@ -593,10 +598,12 @@ OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs
 
 def _is_number(value) -> bool:
     """A real, finite number: not a bool (YAML's true is an int to Python), not text."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    # an int is finite however large (math.isfinite overflows on 10**400)
-    return isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past any float (10**400): no figure autotune writes, and show's format fails on it
+        return False
 
 
 def _check_measurement(measured: dict, path) -> None:

@@ -11,9 +11,10 @@ import re
 from fractions import Fraction
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-# No memory is an exbibyte: a bound that keeps float arithmetic on sizes (shares, charts, YAML
-# floats) finite; 10**400 bytes overflowed it with a traceback (helper-11).
-MAX_SIZE = 2**60
+# The largest size a 64-bit count holds, and so numpy and torch: a bound that keeps arithmetic on
+# sizes finite (10**400 bytes overflowed a float, with a traceback; helper-11) and still takes the
+# "unlimited" a serving script may pass (sys.maxsize; cgroup v1's 2**63 - 4096; helper-14).
+MAX_SIZE = 2**63 - 1
 _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 
 
@@ -34,7 +35,7 @@ def parse_size(text: str) -> int:
 def check_size(size: int | float, said: str) -> None:
     """ValueError for a size above MAX_SIZE (`said`: how the message names it)."""
     if size > MAX_SIZE:
-        raise ValueError(f"{said} is too large for a memory size (over 1 EiB)")
+        raise ValueError(f"{said} is too large for a memory size (over 2**63 - 1 bytes)")
 
 
 def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:

@@ -398,7 +398,7 @@ def _fail_stale_trials(study: optuna.Study) -> None:
         journal = isinstance(storage, optuna.storages.JournalStorage)
         now = time.time()
         for frozen in _running(study):
-            orphaned = _holder_gone(frozen) or _never_held(frozen, now)
+            orphaned = _holder_gone(frozen) or _never_held(study, frozen)
             if journal and not orphaned:
                 # A retried trial carries the dead one's heartbeat_at (Optuna's retry copies the
                 # user attributes): its own start is the fresher sign of life until it beats itself.
@@ -437,22 +437,31 @@ def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
     return storages.is_gone(frozen.user_attrs.get(PROCESS), frozen.number)
 
 
-def _never_held(frozen: optuna.trial.FrozenTrial, now: float) -> bool:
-    """Whether a running trial (or confirmation claim) is GRACE_S old and no process ever marked
-    it its own (PROCESS; one a retry copied from the dead trial is not its own): its worker died
-    in the moment between taking it and marking it, before the first heartbeat of an RDB
-    storage, and Optuna's fail_stale_trials, which reads only those, never failed it. Left
-    running, it held every later confirmation phase waiting (helper-12)."""
+# (storage, trial id): when this process first saw that trial running, unmarked
+_UNMARKED_SINCE: dict[tuple, float] = {}
+
+
+def _never_held(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> bool:
+    """Whether this process has seen a running trial (or confirmation claim) for GRACE_S with no
+    process marking it its own (PROCESS; one a retry copied from the dead trial is not its own):
+    its worker died in the moment between taking it and marking it, before the first heartbeat
+    of an RDB storage, and Optuna's fail_stale_trials, which reads only those, never failed it.
+    Left running, it held every later confirmation phase waiting (helper-12). Timed on this
+    process's own clock: the trial's start is dated by its worker's, which another machine's
+    need not agree with (helper-14)."""
     holder = frozen.user_attrs.get(PROCESS, "none")
-    marked = holder is None or isinstance(holder, dict) and holder.get("trial") == frozen.number
-    started = frozen.datetime_start
-    return not marked and started is not None and now - started.timestamp() >= storages.GRACE_S
+    key = (getattr(study._storage, "url", None) or id(study._storage), frozen._trial_id)  # RDB storages have a URL
+    if holder is None or isinstance(holder, dict) and holder.get("trial") == frozen.number:
+        _UNMARKED_SINCE.pop(key, None)
+        return False
+    first_seen = _UNMARKED_SINCE.setdefault(key, time.monotonic())
+    return time.monotonic() - first_seen >= storages.GRACE_S
 
 
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
     """The study, and whether this call created it. Of several workers starting at once exactly
     one creates it (the storage refuses a second study of the same name): prepare then queues
-    its baseline there."""
+    its baseline there (or a later run, where the creator stopped first: _baseline_lost)."""
     backend = storages.open_storage(storage)
     try:
         try:
@@ -565,6 +574,9 @@ LEFT_PAST_TRIALS = "left_queued_past_trials"
 # User attr of a study: why the last run's search stopped (study._why_stop, --patience), which
 # `autotune export` says beside its own words; in a shared study, the last worker's to stop.
 STOP_REASON = "stop_reason"
+# User attr of a study: when it was created (time.time() on its creator's clock) and by which
+# process (storages.this_process, for a trial numbered -1)
+CREATOR = "creator"
 
 
 def unfinished(study: optuna.Study) -> str | None:
@@ -877,6 +889,8 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
     on_step = on_step or (lambda text: None)
     measure = measure or measure_in_child(req)
     study, created = open_study(req.storage, req.study_name, req.seed)
+    if created:  # first: a worker joining sees from it whether the creator may still be setting up
+        study.set_user_attr(CREATOR, {"at": time.time(), "process": storages.this_process(-1)})
     _hold_the_request(study, req)
     if not created:  # a resume, or a worker joining: said before anything is measured
         if study.user_attrs.get(LEFT_PAST_TRIALS):
@@ -893,7 +907,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
                     f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "
                     "out-of-memory killer?); the sampler may propose it again")
     with _setting_up_alone(req.workdir, on_step):
-        warm = _queue_baseline_and_warm_start(study, req, on_step)
+        warm = _queue_baseline_and_warm_start(study, req, created, on_step)
         # The seeds are queued once per study, by the run that finds them not queued yet: the one
         # that created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL)
         # before it queued them. (A study of an autotune before the mark: its seed trials say so.)
@@ -917,23 +931,28 @@ def _setting_up_alone(workdir: Path, on_step: Callable[[str], None]):
     """One worker of this machine at a time through the study's set-up: two started at once in
     one folder made their reference calls in the same folders (one run's clean-up could delete
     the other's result, a "crashed" call that stopped it) and each set the quality guard
-    (helper-12). The one that waits then finds the baseline queued, the reference made and the
-    guard set. (Workers on two machines may still both queue the baseline when they start within
-    a moment of each other: the second is settled as a duplicate, unmeasured.) A file lock
-    (filelock, which torch itself requires): the OS frees it when its holder dies, SIGKILL too."""
+    (helper-12). The one that waits then finds the reference made and the guard set. A file lock
+    (filelock, which torch itself requires): the OS frees it when its holder dies, SIGKILL too.
+    Where the folder's file system takes no lock (NFS without its lock daemon), the set-up goes
+    on without it, as before there was one."""
     import filelock
 
     workdir.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(workdir / ".set-up.lock")
+    held = True
     try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        on_step("another worker on this machine is setting this study up (its reference calls): waiting for it")
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            on_step("another worker is setting this study up in this folder (its reference calls): waiting for it")
+            lock.acquire()
+    except (OSError, NotImplementedError):  # ENOLCK; filelock 3's word for a file system without flock
+        held = False
     try:
         yield
     finally:
-        lock.release()
+        if held:
+            lock.release()
 
 
 def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
@@ -965,15 +984,13 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
     study.set_user_attr("request", _request_attr(req))
 
 
-def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest,
+def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, created: bool,
                                    on_step: Callable[[str], None]) -> list[Config]:
-    """Queue the baseline where the study has none (a new study, or one whose creator stopped
-    before it queued it) and the --warm-start configs not queued or measured yet; returns every
-    warm-start config the space keeps (queued now or before: the seeds leave them out)."""
+    """Queue the baseline (in a new study, or one whose creator stopped before it queued it) and
+    the --warm-start configs not queued or measured yet; returns every warm-start config the
+    space keeps (queued now or before: the seeds leave them out)."""
     space = req.space
-    # Queued by the creator alone, a Ctrl-C or SIGKILL in the 70 ms between the study's creation
-    # and this left a study that never had a baseline: no speedup, none in its profile (helper-12).
-    if not any(t.user_attrs.get("baseline") for t in study.get_trials(deepcopy=False)):
+    if created or _baseline_lost(study):
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
     # On a study that exists too (a resume given --warm-start was silently left as it was): the
     # configs it has not measured, run or queued yet (Optuna compares the params).
@@ -986,6 +1003,23 @@ def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest,
                 "baseline (unless measured already)" + (f"; {left} left out: the baseline, forbidden here, "
                                                          "or the same once reduced to this space" if left else ""))
     return warm
+
+
+def _baseline_lost(study: optuna.Study) -> bool:
+    """Whether a study another run created has no baseline, and will not get one from its
+    creator: none queued, running or measured (one that stepped back from a racing twin, as two
+    racing baselines both may, is none), and its creator gone (its process, on this machine) or
+    GRACE_S past the creation. A creator stopped (Ctrl-C, SIGKILL) in the 70 ms between creating
+    the study and queueing its baseline left a study without one for good: no speedup, none in its
+    profile (helper-12). Within GRACE_S a creator on another machine may still be about to queue
+    it: a worker that queued one too made two racing baselines (helper-14)."""
+    for frozen in study.get_trials(deepcopy=False):
+        if frozen.user_attrs.get("baseline") and "duplicate_of_running" not in frozen.user_attrs:
+            return False
+    # none recorded: a study made before autotune recorded it (it has its baseline), or one whose
+    # creator stopped before recording it
+    creator = study.user_attrs.get(CREATOR) or {}
+    return storages.is_gone(creator.get("process"), -1) or time.time() - creator.get("at", 0.0) >= storages.GRACE_S
 
 
 def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step: Callable[[str], None],

@@ -86,7 +86,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
     [
         (["--vram", "8XB"], "not a memory size"),
         (["--vram", "-1GB"], "not a positive memory size"),
-        (["--vram", "1" + "0" * 400 + "TB"], "is too large for a memory size (over 1 EiB)"),  # an OverflowError
+        (["--vram", "1" + "0" * 400 + "TB"], "is too large for a memory size (over 2**63 - 1 bytes)"),  # an OverflowError
         (["--prompt", "caf\udcff", "--trials", "1"], "--prompt is not valid UTF-8 text: 'caf\\udcff'"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--trials", "0"], "must be at least 1"),
@@ -1763,3 +1763,18 @@ def test_a_ctrl_c_while_autotune_imports_is_one_line(tmp_path, module):
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (proc.returncode, proc.stderr) == (130, "autotune: interrupted\n"), proc.stderr
     assert not (tmp_path / "autotune-studies").exists()
+
+
+def test_a_write_error_of_another_file_than_stdout_is_not_taken_for_stdouts(monkeypatch):
+    """main says a full stdout in one line; the same error from another file (a trial's socket,
+    a full disk under the workdir) keeps its traceback, not a word about the output (helper-14)."""
+    import errno
+
+    from autotune import cli
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/elsewhere/trial.json")
+
+    monkeypatch.setattr(cli, "_export", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        cli.main(["export"])

@@ -1949,49 +1949,112 @@ def test_a_baseline_over_the_budget_sets_no_bar_for_measuring_a_config_again(tmp
     assert all(r.confirmations for r in outcome.front)
 
 
-def test_a_study_stopped_before_it_queued_its_baseline_gets_it_when_resumed(tmp_path, monkeypatch):
-    """A Ctrl-C between the study's creation and its baseline's queueing (70 ms on SQLite, at
-    the very start of a run) left a study without a baseline for good: the default pipeline was
-    measured later as a plain trial, and no speedup was said (helper-12)."""
-    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
-    req = request(space, tmp_path, trials=2, storage=f"sqlite:///{tmp_path / 's.db'}")
+def test_a_study_stopped_before_it_queued_its_baseline_gets_it_when_resumed(tmp_path):
+    """A Ctrl-C or SIGKILL between the study's creation and its baseline's queueing (70 ms on
+    SQLite, at the very start of a run) left a study without a baseline for good: the default
+    pipeline was measured later as a plain trial, and no speedup was said (helper-12). The run
+    after it, at once, sees the creator's process gone and queues it. (A real process, killed
+    for real, where the test stands in for the 70 ms with a sleep.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    script = f"""
+import time
+from pathlib import Path
+from autotune import study
+from autotune.knobs import Target
+from autotune.models import resolve_model
+from autotune.space import Dimension, SearchSpace
+
+def stalled(*args, **kwargs):
+    Path({str(tmp_path / "created")!r}).touch()
+    time.sleep(300)
+
+study._queue_baseline_and_warm_start = stalled
+spec = resolve_model("tiny-sd15")
+req = study.TuneRequest(spec=spec, workload=spec.default_workload, space=SearchSpace({SPACE!r}),
+                        target=Target(device="cpu", family=spec.family), study_name="s", workdir=Path({str(tmp_path)!r}),
+                        storage={url!r}, budget_bytes={1000 * MiB}, min_psnr_db=None, seed=0, trials=2)
+study.prepare(req, measure=lambda *a: None)
+"""
+    creator = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "created").exists():
+            assert creator.poll() is None and time.monotonic() < deadline, "the creator never created the study"
+            time.sleep(0.1)
+        os.kill(creator.pid, signal.SIGKILL)
+    finally:
+        creator.kill()
+        creator.wait()
     measure, _ = fake_measure(lambda config: 1.0 if config["dtype"] == "bfloat16" else 2.0)
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:  # the interrupt, landed where no test can time it
-        patch.setattr(study, "_queue_baseline_and_warm_start", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            study.tune(req, measure=measure)
-    outcome = study.tune(req, measure=measure)
-    assert outcome.baseline is not None and outcome.baseline.number == 0
+    outcome = study.tune(request(SearchSpace(SPACE), tmp_path, trials=2, storage=url), measure=measure)
+    assert outcome.baseline is not None and outcome.baseline.config == baseline()
     assert [r.baseline for r in outcome.records].count(True) == 1
+
+
+def _study_without_a_measured_baseline(tmp_path, creator: dict, stepped_back: int = 0):
+    """A study another run created (`creator`: its CREATOR record), holding `stepped_back`
+    baselines that stepped back from each other as racing twins."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    shared, _ = study.open_study(url, "s")
+    shared.set_user_attr(study.CREATOR, creator)
+    space = SearchSpace(SPACE)
+    for _ in range(stepped_back):
+        shared.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
+        trial = shared.ask()
+        trial.set_user_attr("duplicate_of_running", -1)
+        shared.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return url, space
+
+
+def test_two_baselines_that_stepped_back_from_each_other_are_no_baseline(tmp_path):
+    # two workers of two machines, each queueing one, each seeing the other's running (helper-14)
+    url, space = _study_without_a_measured_baseline(tmp_path, {"at": time.time() - 60, "process": None}, 2)
+    prepared = study.prepare(request(space, tmp_path, trials=2, storage=url), measure=lambda *a: None)
+    waiting = prepared.get_trials(states=(optuna_state("WAITING"),))
+    assert [t.user_attrs.get("baseline") for t in waiting] == [True]
+
+
+def test_a_worker_joining_a_study_its_creator_is_setting_up_leaves_the_baseline_to_it(tmp_path):
+    # created a moment ago on another machine (its process unknown here): the creator queues it
+    url, space = _study_without_a_measured_baseline(tmp_path, {"at": time.time(), "process": None})
+    prepared = study.prepare(request(space, tmp_path, trials=2, storage=url), measure=lambda *a: None)
+    assert not [t for t in prepared.get_trials() if t.user_attrs.get("baseline")]
+
+
+def optuna_state(name: str):
+    import optuna
+
+    return getattr(optuna.trial.TrialState, name)
 
 
 @pytest.mark.parametrize("claim", [True, False], ids=["confirmation claim", "trial"])
 def test_a_running_trial_its_worker_never_marked_is_failed_after_the_grace(tmp_path, monkeypatch, claim):
     """A worker killed between taking a trial (or its confirmation claim) and its first heartbeat
     or PROCESS mark left it running for good on SQLite and PostgreSQL, whose stale trials Optuna
-    finds by heartbeats alone: every later confirmation phase waited on it (helper-12)."""
-    import datetime
-
+    finds by heartbeats alone: every later confirmation phase waited on it (helper-12). Timed
+    from when this process first saw it so (helper-14: the start is dated by another clock)."""
     import optuna
     from optuna.trial import TrialState
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     shared, _ = study.open_study(url, "s")
     attrs = {study.CONFIRMER: "dead worker"} if claim else {}
-    started = datetime.datetime.now() - datetime.timedelta(seconds=5)
     template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs=attrs,
                                          system_attrs={"retry_history": [-1] * (storages.MAX_RETRIES + 1)})
-    template.datetime_start = started
     number = shared._storage.get_trial_number_from_id(shared._storage.create_new_trial(shared._study_id, template))
     state = lambda: shared._storage.get_trial(shared._storage.get_trial_id_from_study_id_trial_number(
         shared._study_id, number)).state
+    monkeypatch.setattr(storages, "GRACE_S", 0.5)
     study._fail_stale_trials(shared)
-    assert state() == TrialState.RUNNING  # 5 s old: within the grace
-    monkeypatch.setattr(storages, "GRACE_S", 4)
+    assert state() == TrialState.RUNNING  # first seen now: within the grace
+    time.sleep(0.6)
     study._fail_stale_trials(shared)
     assert state() == TrialState.FAIL
 
@@ -2022,7 +2085,7 @@ def test_two_workers_started_at_once_in_one_folder_set_the_study_up_once(tmp_pat
     for w in workers:
         w.join(60)
     assert [c["dtype"] for c in measured] == ["float32", "bfloat16"]  # one set of reference calls
-    assert any("another worker on this machine is setting this study up" in line for line in said[0] + said[1])
+    assert any("another worker is setting this study up in this folder" in line for line in said[0] + said[1])
     trials = optuna.load_study(study_name="s", storage=storages.open_storage(url)).trials
     assert len([t for t in trials if t.user_attrs.get("seed")]) == len(BF16_SEEDS)  # queued once
     assert len([t for t in trials if t.user_attrs.get("baseline")]) == 1  # queued by the first, found by the other
