@@ -1517,16 +1517,30 @@ def test_a_trial_stopped_by_ctrl_c_is_measured_first_when_the_run_resumes(tmp_pa
     assert measured == [baseline(), *({**baseline(), **seed} for seed in seeds)]
 
 
-def test_a_study_whose_creator_was_killed_before_it_queued_the_seeds_gets_them_when_resumed(tmp_path):
-    """The seeds are queued after the reference calls (minutes on a full-size model on a CPU),
-    which say which precision they take. A run killed there by SIGKILL (the OOM killer, a
-    scheduler), where no `finally` runs, left a study that never got them: the next run, which
-    did not create the study, did not queue them. (A real process, killed for real.)"""
+def killed_once_it_made(script: str, marker: Path) -> None:
+    """Run `script` in a Python process of its own, and SIGKILL it once it has made `marker`."""
     import os
     import signal
     import subprocess
     import sys
 
+    creator = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert creator.poll() is None and time.monotonic() < deadline, f"the script never made {marker.name}"
+            time.sleep(0.1)
+        os.kill(creator.pid, signal.SIGKILL)
+    finally:
+        creator.kill()
+        creator.wait()
+
+
+def test_a_study_whose_creator_was_killed_before_it_queued_the_seeds_gets_them_when_resumed(tmp_path):
+    """The seeds are queued after the reference calls (minutes on a full-size model on a CPU),
+    which say which precision they take. A run killed there by SIGKILL (the OOM killer, a
+    scheduler), where no `finally` runs, left a study that never got them: the next run, which
+    did not create the study, did not queue them. (A real process, killed for real.)"""
     url = f"sqlite:///{tmp_path / 's.db'}"
     script = f"""
 import time
@@ -1549,16 +1563,7 @@ def calibrating(request, trial_dir, tick):
 
 study.prepare(req, measure=calibrating)
 """
-    creator = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "calibrating").exists():
-            assert creator.poll() is None and time.monotonic() < deadline, "the creator never reached its calibration"
-            time.sleep(0.1)
-        os.kill(creator.pid, signal.SIGKILL)
-    finally:
-        creator.kill()
-        creator.wait()
+    killed_once_it_made(script, tmp_path / "calibrating")
     measure, measured = measure_with_outputs(lambda c: 0.5 if c["dtype"] == "bfloat16" else 1.0)
     study.tune(request(SearchSpace(SPACE, seeds=BF16_SEEDS), tmp_path, trials=3, storage=url, min_psnr_db="auto"),
                measure=measure)
@@ -1955,11 +1960,6 @@ def test_a_study_stopped_before_it_queued_its_baseline_gets_it_when_resumed(tmp_
     pipeline was measured later as a plain trial, and no speedup was said (helper-12). The run
     after it, at once, sees the creator's process gone and queues it. (A real process, killed
     for real, where the test stands in for the 70 ms with a sleep.)"""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     url = f"sqlite:///{tmp_path / 's.db'}"
     script = f"""
 import time
@@ -1980,16 +1980,7 @@ req = study.TuneRequest(spec=spec, workload=spec.default_workload, space=SearchS
                         storage={url!r}, budget_bytes={1000 * MiB}, min_psnr_db=None, seed=0, trials=2)
 study.prepare(req, measure=lambda *a: None)
 """
-    creator = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "created").exists():
-            assert creator.poll() is None and time.monotonic() < deadline, "the creator never created the study"
-            time.sleep(0.1)
-        os.kill(creator.pid, signal.SIGKILL)
-    finally:
-        creator.kill()
-        creator.wait()
+    killed_once_it_made(script, tmp_path / "created")
     measure, _ = fake_measure(lambda config: 1.0 if config["dtype"] == "bfloat16" else 2.0)
     outcome = study.tune(request(SearchSpace(SPACE), tmp_path, trials=2, storage=url), measure=measure)
     assert outcome.baseline is not None and outcome.baseline.config == baseline()
