@@ -41,10 +41,15 @@ def visible_gpus() -> list[str] | None:
     return [v.strip() for v in visible.split(",") if v.strip()]
 
 
+def device_index(device: str) -> int:
+    """The GPU index torch's `device` names: cuda:N, or 0 for cuda."""
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
 def _nvml_id(device: str) -> int | str:
     """NVML's name for torch's `device`: its index among every GPU of the machine, or the UUID
     that CUDA_VISIBLE_DEVICES names it by (GPU-..., MIG-...)."""
-    index = int(device.split(":")[1]) if ":" in device else 0
+    index = device_index(device)
     ids = visible_gpus()
     if ids and index < len(ids):
         return int(ids[index]) if ids[index].isdigit() else ids[index]

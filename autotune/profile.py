@@ -564,8 +564,7 @@ def _device_here(device: str) -> bool:
     machine of one GPU raised NVML's own error from load_profile (helper-13)."""
     if not device.startswith("cuda"):
         return True
-    index = int(device.split(":")[1]) if ":" in device else 0
-    return index < fingerprint.cuda_device_count()
+    return fingerprint.device_index(device) < fingerprint.cuda_device_count()
 
 
 def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:

@@ -69,7 +69,6 @@ def parse_margin(text: str, budget: int) -> int:
             raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
         if not 0 <= percent < 100:
             raise ValueError(f"margin '{text}' must be from 0% to under 100%")
-        check_size(budget, "the budget")
         return int(budget * percent / 100)
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit

@@ -83,13 +83,19 @@ def this_process(trial_number: int) -> dict | None:
             "start_ticks": stat[0]}
 
 
+def written_for(holder, trial_number: int) -> bool:
+    """Whether `holder` is this_process's record for trial `trial_number` (Optuna's retry copies
+    its dead trial's record, which does not speak for the retry)."""
+    return isinstance(holder, dict) and holder.get("trial") == trial_number
+
+
 def is_gone(holder: dict | None, trial_number: int) -> bool:
     """Whether the process that `this_process(trial_number)` described, on this machine, has
     ended (or is a zombie its parent has not reaped): its RUNNING trial was orphaned and need not
     wait out GRACE_S (a resume after SIGKILL waited 20 s in silence). False whenever it cannot
     tell: no record or another trial's, another machine or container, a process that runs, one
     hidden from this user (/proc mounted hidepid)."""
-    if not isinstance(holder, dict) or holder.get("trial") != trial_number:
+    if not written_for(holder, trial_number):
         return False
     if _machine() is None or (holder.get("boot_id"), holder.get("pid_ns")) != _machine():
         return False

@@ -451,7 +451,7 @@ def _never_held(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> bool:
     need not agree with (helper-14)."""
     holder = frozen.user_attrs.get(PROCESS, "none")
     key = (getattr(study._storage, "url", None) or id(study._storage), frozen._trial_id)  # RDB storages have a URL
-    if holder is None or isinstance(holder, dict) and holder.get("trial") == frozen.number:
+    if holder is None or storages.written_for(holder, frozen.number):  # None: marked where /proc could not tell
         _UNMARKED_SINCE.pop(key, None)
         return False
     first_seen = _UNMARKED_SINCE.setdefault(key, time.monotonic())
@@ -928,10 +928,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
 
 @contextlib.contextmanager
 def _setting_up_alone(workdir: Path, on_step: Callable[[str], None]):
-    """One worker of this machine at a time through the study's set-up: two started at once in
-    one folder made their reference calls in the same folders (one run's clean-up could delete
-    the other's result, a "crashed" call that stopped it) and each set the quality guard
-    (helper-12). The one that waits then finds the reference made and the guard set. A file lock
+    """One worker at a time, of those sharing this folder, through the study's set-up: two
+    started at once in one folder made their reference calls in the same folders (one run's
+    clean-up could delete the other's result, a "crashed" call that stopped it) and each set the
+    quality guard (helper-12). The one that waits then finds the reference made and the guard set. A file lock
     (filelock, which torch itself requires): the OS frees it when its holder dies, SIGKILL too.
     Where the folder's file system takes no lock (NFS without its lock daemon), the set-up goes
     on without it, as before there was one."""

@@ -1329,6 +1329,6 @@ def test_a_profile_of_a_gpu_index_this_machine_lacks_reads_with_a_warning(tmp_pa
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     doc = document()
     doc["machine"] = {**doc["machine"], "device": "cuda:1", "name": "GPU"}
-    with pytest.warns(profile_io.ProfileMismatchWarning, match="device"):
+    with pytest.warns(profile_io.ProfileMismatchWarning, match=r"here 'no cuda:1 \(1 GPU visible\)'"):
         profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
     assert profile.data["machine"]["device"] == "cuda:1"
