@@ -563,7 +563,8 @@ def _tune(args, argv: list[str]) -> int:
         return _tune_on_gpus(out, request, args, argv, output)
     try:  # to the profile's rename: stopped while it is written, the same command writes it
         with console.TrialProgress(out, request.trials) as progress:
-            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step)
+            outcome = tune(request, on_trial=progress.update, on_confirm=progress.confirmed, on_step=progress.step,
+                           on_start=progress.start)
         console.print_summary(out, outcome, budget, request.margin_bytes)
         console.print_share(out, outcome)
         return _write_profile(out, request, outcome, output, default_named=not args.output)

@@ -215,6 +215,10 @@ class TrialProgress:
                 desc += f" ({self.baseline.latency_s / self.best.latency_s:.2f}x)"
         self.progress.update(self.task, advance=1, description=desc)
 
+    def start(self, measured: int) -> None:
+        """The bar counts from the configs a resumed study holds measured, as --trials does."""
+        self.progress.update(self.task, completed=measured)
+
     def step(self, text: str) -> None:
         """A line for a step that reports no trial (the study's reference calls)."""
         self.out.print(text)

@@ -1240,10 +1240,13 @@ def tune(
     measure: Measure | None = None,
     on_confirm: Callable[[TrialRecord, dict], None] | None = None,
     on_step: Callable[[str], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> StudyOutcome:
     """Run the study until it holds `req.trials` measured trials, `req.timeout_s` has passed, or
     the space is spent. Resumable: the same request continues a study where it stopped. Other
-    workers may run the same request against the same storage at the same time."""
+    workers may run the same request against the same storage at the same time. `on_start` hears,
+    once, how many of the `req.trials` configs the study holds measured already (none, unless
+    resumed or shared)."""
     measure = measure or measure_in_child(req)
     study = prepare(req, measure, on_step)
     storage = study._storage  # Optuna keeps no public handle for heartbeats in ask-and-tell
@@ -1270,6 +1273,9 @@ def tune(
                      if t.state == TrialState.PRUNED and "dominated_by" in t.user_attrs}
         others = _in_flight(outcome.trials)
         settled = set(done) | ruled_out
+        if on_start:
+            on_start(len(done))
+            on_start = None
         reason = _why_stop(req, outcome, len(done), len(settled), n_configs, deadline, unmeasured_in_a_row)
         if reason:
             if len(done) >= req.trials:  # what stays queued past --trials is left, not unfinished

@@ -752,6 +752,25 @@ def test_a_resume_that_only_confirms_says_what_it_measured(tmp_path):
                                "earlier run or by other workers sharing it\n")
 
 
+def test_the_progress_bar_of_a_resumed_study_counts_from_what_it_holds(tmp_path):
+    """--trials counts the study's measured configs, so the bar does: a study of 2 resumed with
+    --trials 3 ends at 3 of 3, not 1 of 3."""
+    from rich.console import Console
+
+    from autotune.console import TrialProgress
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16", "float16"))])
+    measure, _ = drifting_measure({})
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    study.tune(request(space, tmp_path, trials=2, confirm_rounds=0, storage=storage), measure=measure)
+    with TrialProgress(Console(markup=False, record=True, width=200), 3) as progress:
+        outcome = study.tune(request(space, tmp_path, trials=3, confirm_rounds=0, storage=storage),
+                             measure=measure, on_trial=progress.update, on_start=progress.start)
+        task = progress.progress.tasks[0]
+    assert outcome.measured_here == 1
+    assert (task.completed, task.total) == (3, 3)
+
+
 def test_a_lower_median_its_trials_do_not_back_keeps_the_default(tmp_path):
     """bfloat16's median is 5% lower, but its own slowest trial was slower than the default's
     median: noise, so the config that changes nothing is kept. The baseline is confirmed beside
