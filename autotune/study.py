@@ -19,6 +19,7 @@ journal files through a heartbeat kept here as a trial attribute).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import enum
 import json
 import math
@@ -458,6 +459,16 @@ def _never_held(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> bool:
     return time.monotonic() - first_seen >= storages.GRACE_S
 
 
+def _unmarked_since_start(frozen: optuna.trial.FrozenTrial) -> bool:
+    """_never_held for a one-shot reader (export, report), which cannot watch a trial for GRACE_S:
+    unmarked GRACE_S after its start, by this machine's clock (its worker's date, which another
+    machine's clock may put off by its skew: only what is said of it depends on this)."""
+    holder = frozen.user_attrs.get(PROCESS, "none")
+    if holder is None or storages.written_for(holder, frozen.number) or frozen.datetime_start is None:
+        return False
+    return (datetime.datetime.now() - frozen.datetime_start).total_seconds() >= storages.GRACE_S
+
+
 def open_study(storage: str, study_name: str, seed: int | None = None) -> tuple[optuna.Study, bool]:
     """The study, and whether this call created it. Of several workers starting at once exactly
     one creates it (the storage refuses a second study of the same name): prepare then queues
@@ -582,10 +593,10 @@ CREATOR = "creator"
 def unfinished(study: optuna.Study) -> str | None:
     """What a study has not finished, for an export made meanwhile (None when nothing): trials
     running or queued (but those a run left queued past its --trials), a confirmation running,
-    and trials left running by a process of this machine that has ended (the next run measures
-    them again)."""
+    and trials left running by a process of this machine that has ended, or by a worker that
+    stopped before it marked one its own (the next run measures them again)."""
     running = _running(study)
-    left = [t for t in running if _holder_gone(t)]
+    left = [t for t in running if _holder_gone(t) or _unmarked_since_start(t)]
     measuring = [t.number for t in running if t not in left and CONFIRMER not in t.user_attrs]
     parts = []
     if measuring:

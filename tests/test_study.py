@@ -1462,6 +1462,18 @@ def test_an_unfinished_study_says_what_is_left(tmp_path):
                                         "1 left running by a run that ended")
 
 
+def test_a_trial_its_worker_never_marked_is_said_left_once_the_grace_has_passed(tmp_path, monkeypatch):
+    """A worker killed between taking a trial and marking it its own: export called it running
+    for good. Within the grace it may still be marked; past it, it was left."""
+    import optuna
+
+    shared, _ = study.open_study(f"sqlite:///{tmp_path / 's.db'}", "s")
+    taken = shared.ask({"dtype": optuna.distributions.CategoricalDistribution(["float32", "bfloat16"])})
+    assert study.unfinished(shared) == f"trial {taken.number} running"
+    monkeypatch.setattr(storages, "GRACE_S", 0.0)
+    assert study.unfinished(shared) == "1 left running by a run that ended"
+
+
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_sampler_that_keeps_proposing_measured_configs_stops_the_search(tmp_path, monkeypatch):
     # Optuna's PartialFixedSampler held to the baseline's dtype proposes it again and again:
