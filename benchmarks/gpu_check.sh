@@ -3,7 +3,7 @@
 # OUT even when stopped at their limit (every stage runs under `timeout`, and the benchmarks write
 # as they go). From the project root, with autotune importable (installed, or on PYTHONPATH):
 #
-#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but workers, compile and pairs, cut at 560 s in all; log, JUnit XML
+#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but workers, compile and pairs, cut at 490 s in all (each part killed 10 s after its stop); log, JUnit XML
 #   bash benchmarks/gpu_check.sh OUT workers   # tests/gpu's CLI runs on CUDA (--gpus, verify, fork launcher), 560 s
 #   bash benchmarks/gpu_check.sh OUT compile   # tests/gpu's compile tests, cut at 560 s
 #   bash benchmarks/gpu_check.sh OUT pairs     # tests/gpu's pair test (every pair of each family's space), 560 s
@@ -27,24 +27,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # What the stages need beyond torch; a missing one is named here, not minutes into a stage.
 # Checked from another folder: Python puts the current one on the path, where autotune is.
 (cd /tmp && $py -) <<'PY' || exit 1
-import importlib, sys
-missing = [m for m in ("diffusers", "optuna", "torchao", "pynvml", "skimage", "xdist", "pytest_timeout", "autotune")
-           if importlib.util.find_spec(m) is None]
-import torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {torch.cuda.device_count()}")
+import importlib.util, sys  # importlib alone does not load util on Python 3.12 (helper-17)
+missing = [m for m in ("torch", "diffusers", "optuna", "torchao", "pynvml", "skimage", "xdist", "pytest_timeout",
+                      "autotune") if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu_check: not importable here: {', '.join(missing)}")
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {torch.cuda.device_count()}")
 PY
 
 case $stage in
 suite)
     # The memory tests one at a time: where the driver lists no process (a container without the
     # host's PID namespace) NVML's figure is the whole device's, which parallel tests would move.
-    timeout -k 20 -s INT 280 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
+    timeout -k 10 -s INT 250 $py -m pytest tests/gpu/test_cuda.py -q -rsP --timeout 200 --durations 10 \
         --junitxml "$out/gpu-tests-serial.xml" -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
     serial=$?
-    timeout -k 20 -s INT 270 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
-        -n 6 --dist worksteal --timeout 250 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
+    timeout -k 10 -s INT 240 $py -m pytest tests/gpu/test_knobs_gpu.py -k "not compile and not every_pair" -q -rsP \
+        -n 6 --dist worksteal --timeout 220 --durations 20 --junitxml "$out/gpu-tests.xml" -p no:cacheprovider \
         2>&1 | tee -a "$out/gpu-tests.log"
     parallel=$?
     [ "$serial" -ne 0 ] && exit "$serial"
