@@ -51,22 +51,6 @@ def config_changes(config: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "baseline (float32, nothing enabled)"
 
 
-def _when_text(when: dict) -> str:
-    """A `when` condition, short: "compile is not none" where it lists every other choice."""
-    from .knobs import CATALOGUE
-
-    parts = []
-    for name, wanted in when.items():
-        values = wanted if isinstance(wanted, list) else [wanted]
-        knob = CATALOGUE[name]
-        others = [c for c in knob.choices if c != knob.default]
-        if sorted(map(str, values)) == sorted(map(str, others)):
-            parts.append(f"{name} is not {knob.default}")
-        else:
-            parts.append(f"{name} in {', '.join(map(str, values))}")
-    return " and ".join(parts)
-
-
 def _rule_text(rule: dict) -> str:
     """A partial config as `knob=value` pairs, a knob's several values joined by '|'."""
     return " with ".join(f"{name}={'|'.join(map(str, v)) if isinstance(v, list) else v}"
@@ -75,6 +59,7 @@ def _rule_text(rule: dict) -> str:
 
 def print_space(space, target, out: Console | None = None) -> None:
     from .knobs import CATALOGUE
+    from .space import when_text
 
     out = out or terminal()
     table = Table(title=f"search space {space.source} on {target.device} ({target.family})")
@@ -94,11 +79,11 @@ def print_space(space, target, out: Console | None = None) -> None:
         why = "its other choices dropped, below" if name in dropped else f"not searched in {Path(space.source).name}"
         text = ", ".join(map(str, dim.choices)) if dim else f"fixed at {knob.default} ({why})"
         if dim and dim.when:
-            text += f"  (when {_when_text(dim.when)})"
+            text += f"  (when {when_text(dim.when)})"
         table.add_row(name, text, knob.help)
     out.print(table)
     if space.dropped:
-        out.print("dropped on this machine:")
+        out.print("dropped here, each with its reason:")
         for d in space.dropped:
             out.print(f"  - {d}")
     rules = [_rule_text(r) for r in space.forbid]

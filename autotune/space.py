@@ -71,10 +71,30 @@ class SearchSpace:
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path) -> "SearchSpace":
-        knobs, forbid, seeds = _read_layers(Path(path), seen=())
+        """A space file, or a shipped space by its name (`--space sdxl.yaml`, as `extends:` takes
+        it) where no such file is found."""
+        path = Path(path)
+        if not path.exists() and path.name == str(path) and path.name in shipped_names():
+            path = SHIPPED_DIR / path.name
+        elif not path.exists():
+            raise SpaceError(f"search space {path}: no such file (a space file's path, or the name of a shipped "
+                             f"space: {', '.join(shipped_names())})")
+        knobs, forbid, seeds, own = _read_layers(path, seen=())
         if not knobs:  # an empty or mistyped file would otherwise tune the baseline alone
             raise SpaceError(f"search space {path}: it names no knobs (add 'knobs:' with knob: choices)")
-        space = cls(_dimensions(knobs, path), _forbid_rules(forbid, path), source=str(path),
+        dims = _dimensions(knobs, path)
+        for dim, unmet in _unmet_conditions(dims):
+            if dim.name in own:  # its condition is written in this file: a contradiction to mend there
+                other, wanted, takes = unmet
+                raise SpaceError(
+                    f"search space {path}: knob '{dim.name}' is searched only when '{other}' is "
+                    f"{' or '.join(map(str, wanted))}, which this space never tries ('{other}': "
+                    f"{', '.join(map(str, takes))}); add it to '{other}' or drop the condition")
+        # A condition inherited through `extends` that this file's narrowing leaves unmet
+        # (`dtype: [bfloat16]` over sdxl.yaml's vae_fp16_fix, searched when float16): that knob
+        # goes, said, as the file cannot drop a condition written in another.
+        dims, dropped = _without_unmet(dims, "which this space never tries")
+        space = cls(dims, _forbid_rules(forbid, path), source=str(path), dropped=dropped,
                     seeds=_forbid_rules(seeds, path, section="seeds"))
         space.check_allows_a_config()
         return space
@@ -83,10 +103,12 @@ class SearchSpace:
     def for_model(cls, spec) -> "SearchSpace":
         """The shipped space of a model: its own file (tiny-sdxl.yaml) if there is one, else its
         family's (sdxl.yaml), else default.yaml."""
+        shipped = shipped_names()
         for name in (spec.name, spec.family, "default"):
-            path = SHIPPED_DIR / f"{name}.yaml"
-            if path.exists():
-                return cls.from_file(path)
+            # among the shipped names only: a local folder's name is its path, and `<folder>.yaml`
+            # beside it, some file of the user's, was read as its space (helper-15)
+            if f"{name}.yaml" in shipped:
+                return cls.from_file(SHIPPED_DIR / f"{name}.yaml")
         raise SpaceError(f"no shipped search space for {spec.name}")
 
 
@@ -105,6 +127,10 @@ class SearchSpace:
                     kept.append(value)
             if len(kept) > 1:
                 dims.append(Dimension(dim.name, tuple(kept), dim.when))
+        # a knob searched under a condition on choices dropped here is never searched either: said
+        # so, not listed as searched (`compile_fullgraph` where no compiler runs; helper-15)
+        dims, unmet = _without_unmet(dims, "which does not run here (dropped above)")
+        dropped += unmet
         space = SearchSpace(dims, self.forbid, self.source, dropped, self.seeds, target.family)
         # with choices dropped, and the family's conflicts known, the rules may now leave nothing
         space.check_allows_a_config(f" on {target.device} ({target.family})")
@@ -282,8 +308,50 @@ def config_key(config: Config) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+def when_text(when: dict) -> str:
+    """A `when` condition, short: "compile is not none" where it lists every other choice."""
+    parts = []
+    for name, wanted in when.items():
+        values = wanted if isinstance(wanted, list) else [wanted]
+        knob = CATALOGUE[name]
+        others = [c for c in knob.choices if c != knob.default]
+        if sorted(map(str, values)) == sorted(map(str, others)):
+            parts.append(f"{name} is not {knob.default}")
+        else:
+            parts.append(f"{name} in {', '.join(map(str, values))}")
+    return " and ".join(parts)
+
+
+def _unmet_conditions(dims: list[Dimension]):
+    """(dimension, (knob, wanted values, values tried)) for each dimension whose `when` asks for
+    values the space never gives that knob: it would silently never be searched."""
+    tried = {d.name: d.choices for d in dims}
+    for dim in dims:
+        for other, value in (dim.when or {}).items():
+            wanted = value if isinstance(value, list) else [value]
+            takes = tried.get(other, (CATALOGUE[other].default,))
+            if not any(w in takes for w in wanted):
+                yield dim, (other, wanted, takes)
+                break
+
+
+def _without_unmet(dims: list[Dimension], why: str) -> tuple[list[Dimension], list[Dropped]]:
+    """The dimensions whose conditions can be met, and a Dropped for each choice of the others
+    (again until none is left: a dropped knob may be another's condition)."""
+    dropped = []
+    while unmet := list(_unmet_conditions(dims)):
+        for dim, _ in unmet:
+            dropped += [Dropped(dim.name, value, f"searched only when {when_text(dim.when)}, {why}")
+                        for value in dim.choices if value != CATALOGUE[dim.name].default]
+        gone = {dim.name for dim, _ in unmet}
+        dims = [d for d in dims if d.name not in gone]
+    return dims, dropped
+
+
 # ---- file parsing ---------------------------------------------------------------------------------
-def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
+def _read_layers(path: Path, seen: tuple) -> tuple[dict, list, list, set]:
+    """A space file with the files it extends: its knobs, forbid rules and seeds, and the names
+    of the knobs this file itself sets (the others come from the files it extends)."""
     if path.resolve() in seen:  # resolved: `extends: ../spaces/me.yaml` names the same file
         raise SpaceError(f"search space {path}: 'extends' loops back to itself")
     data = read_yaml(path, "search space", SpaceError)
@@ -307,7 +375,7 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         if not parent.exists():
             raise SpaceError(f"search space {path}: it extends {parent}: no such file (named relative to the "
                              f"file that extends it, or one of the shipped spaces: {', '.join(shipped_names())})")
-        knobs, forbid, seeds = _read_layers(parent, seen + (path.resolve(),))
+        knobs, forbid, seeds, _ = _read_layers(parent, seen + (path.resolve(),))
     # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
     own = {} if data.get("knobs") is None else data["knobs"]
     if not isinstance(own, dict):
@@ -323,7 +391,7 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list]:
         seeds = [] if data["seeds"] is None else data["seeds"]
         if not isinstance(seeds, list):
             raise SpaceError(f"search space {path}: 'seeds' must be a list of partial configs")
-    return knobs, forbid + more, seeds
+    return knobs, forbid + more, seeds, set(own)
 
 
 def _check_value(name: str, value, path) -> None:
@@ -362,6 +430,9 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
                 raise SpaceError(f"search space {path}: knob '{name}': 'when' must be a non-empty mapping "
                                  f"of knob: value(s), such as {{dtype: bfloat16}}, not {when!r:.40}")
             for other, value in when.items():
+                if value == []:
+                    raise SpaceError(f"search space {path}: knob '{name}': 'when' gives '{other}' no value "
+                                     "(name the value or values it is searched under)")
                 for v in value if isinstance(value, list) else [value]:
                     _check_value(other, v, path)
                 # configs are filled in catalogue order: a later knob is still at its baseline
@@ -372,6 +443,9 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
                     raise SpaceError(f"search space {path}: knob '{name}' has a 'when' on {on} (knobs are "
                                      f"decided in catalogue order; those before '{name}': {earlier})")
         choices = spec if isinstance(spec, list) else [spec]
+        if not choices:  # `dtype: []` would leave the knob unsearched, in silence
+            raise SpaceError(f"search space {path}: knob '{name}' has no choices (list the values to try, "
+                             "or leave the knob out to keep it at the baseline's)")
         for value in choices:
             _check_value(name, value, path)
         default = CATALOGUE[name].default
@@ -383,19 +457,6 @@ def _dimensions(knobs: dict, path) -> list[Dimension]:
     for name in knobs:
         if name not in CATALOGUE:
             _check_value(name, None, path)
-    # A condition no config of the space can meet (a value the other knob never takes here, or a
-    # knob the space leaves at its baseline) would leave its knob silently never searched.
-    tried = {d.name: d.choices for d in dims}
-    for dim in dims:
-        for other, value in (dim.when or {}).items():
-            wanted = value if isinstance(value, list) else [value]
-            takes = tried.get(other, (CATALOGUE[other].default,))
-            if not any(w in takes for w in wanted):
-                raise SpaceError(
-                    f"search space {path}: knob '{dim.name}' is searched only when '{other}' is "
-                    f"{' or '.join(map(str, wanted))}, which this space never tries ('{other}': "
-                    f"{', '.join(map(str, takes))}); add it to '{other}' or drop the condition"
-                )
     return dims
 
 
@@ -407,6 +468,8 @@ def _forbid_rules(rules: list, path, section: str = "forbid") -> list[dict]:
         for name, value in rule.items():
             if section == "seeds" and isinstance(value, list):
                 raise SpaceError(f"search space {path}: a seed names one value per knob ({name}: {value})")
+            if value == []:  # a rule that could never match
+                raise SpaceError(f"search space {path}: a '{section}' entry gives '{name}' no value")
             for v in value if isinstance(value, list) else [value]:
                 _check_value(name, v, path)
     return rules

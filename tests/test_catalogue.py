@@ -516,8 +516,12 @@ def test_an_sdpa_kernel_choice_is_not_compiled_whole_with_fullgraph():
 
 
 def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():
-    for value in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers"):
+    for value in ("sdpa-efficient", "sdpa-cudnn", "xformers"):
         assert "needs a CUDA GPU" in reason("attention", value, cpu("sdxl")), value
+    # torch's CPU SDPA takes its flash kernel already: no trial spent on it, and it runs (helper-15)
+    from autotune.knobs.base import NoEffect
+
+    assert isinstance(reason("attention", "sdpa-flash", cpu("sdxl")), NoEffect)
     assert reason("attention", "sdpa-flash", cuda("sdxl")) is None
     assert "8.0" in reason("attention", "sdpa-cudnn", cuda("sdxl", (7, 5)))
     # xFormers: not installed here, which is the reason given on a GPU
@@ -945,11 +949,13 @@ print([str(w.message) for w in said])
 
 
 def test_malloc_mmap_threshold_is_host_only_and_warns_where_it_cannot_be_undone(monkeypatch):
-    from autotune.knobs import host
+    from autotune.knobs import host, unrunnable
 
     knob = CATALOGUE["malloc_mmap_threshold"]
     assert "device memory" in knob.unavailable("1MiB", cuda("sdxl"))
     assert knob.unavailable("dynamic", cuda("sdxl")) is None
+    # not searched on a GPU, yet a CPU profile holding it loads there: apply passes it by (helper-15)
+    assert unrunnable({"malloc_mmap_threshold": "1MiB"}, cuda("sdxl")) == []
     if knob.unavailable("1MiB", cpu("sd15")) is None:  # glibc here: held for real, in a child
         out = subprocess.run([sys.executable, "-c", _HELD_THEN_DEFAULT], capture_output=True, text=True,
                              timeout=300, env=_child_env())

@@ -545,7 +545,7 @@ def test_list_knobs_cuts_no_name_short_on_an_80_column_terminal(tmp_path):
     assert {"float32", "bfloat16", "int8dq-filtered"} <= choices
     assert [c for c in choices if c not in proc.stdout] == []
     # and every choice dropped here, with its reason
-    for line in ("quantize=float8dq: float8 matmuls", "attention=sdpa-flash: sdpa-flash needs a CUDA GPU",
+    for line in ("quantize=float8dq: float8 matmuls", "attention=sdpa-flash: on a CPU, SDPA runs its flash kernel already",
                  "offload=group-leaf-stream: group offload needs a CUDA GPU",
                  "placement=balanced: balanced placement needs more than one CUDA GPU",
                  "compile=reduce-overhead: mode reduce-overhead captures CUDA graphs", "tf32=True: TF32 needs"):
@@ -1169,7 +1169,7 @@ def _no_cuda():
     ids=["unknown-device", "cuda-profile-without-cuda", "cuda-without-cuda", "unrunnable-on-the-device"],
 )
 def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, message, code):
-    write_profile(tmp_path / "p.yaml", device=device, config={"attention": "sdpa-flash", "dtype": "bfloat16"} if "cpu" in args else None)
+    write_profile(tmp_path / "p.yaml", device=device, config={"attention": "sdpa-efficient", "dtype": "bfloat16"} if "cpu" in args else None)
     proc = cli("verify", "p.yaml", *args)
     assert proc.returncode == code  # a device autotune does not know is bad usage (2), as any bad option value
     assert message in one_line_error(proc)

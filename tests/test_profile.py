@@ -236,8 +236,8 @@ def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_pa
     pipe = load_profile(profile_io.save(doc, tmp_path / "p.yaml")).load_pipeline()
     assert pipe.vae.use_slicing
     # what does not run is still named
-    assert unrunnable({"attention": "sdpa-flash"}, Target(device="cpu", family="sd15")) == [
-        "attention=sdpa-flash: sdpa-flash needs a CUDA GPU"]
+    assert unrunnable({"attention": "sdpa-efficient"}, Target(device="cpu", family="sd15")) == [
+        "attention=sdpa-efficient: sdpa-efficient needs a CUDA GPU"]
 
 
 def test_a_choice_that_cannot_run_here_is_named_with_its_reason_before_the_build(tmp_path, monkeypatch):

@@ -176,6 +176,11 @@ def test_known_conflicts_are_forbidden():
          "knob 'channels_last' has no choice 0"),
         ("knobs:\n  dtype: !!python/object/apply:os.getpid []\n",
          "uses the tag !!python/object/apply:os.getpid at line 2, which safe loading refuses"),
+        # empty lists: a knob silently not searched, a rule that never matches (helper-15)
+        ("knobs:\n  dtype: []\n", "knob 'dtype' has no choices (list the values to try"),
+        ("knobs:\n  dtype: [float32, bfloat16]\nforbid:\n  - {dtype: []}\n", "a 'forbid' entry gives 'dtype' no value"),
+        ("knobs:\n  dtype: [float32, bfloat16]\n  quantize: {choices: [int8wo], when: {dtype: []}}\n",
+         "knob 'quantize': 'when' gives 'dtype' no value"),
     ],
 )
 def test_bad_space_files_give_one_clear_line(tmp_path, text, message):
@@ -206,6 +211,62 @@ def test_tiny_models_get_their_own_space_without_compile():
         names = [d.name for d in space.dimensions]
         assert "compile" not in names and "dtype" in names
     assert SearchSpace.for_model(resolve_model("sdxl")).source.endswith("sdxl.yaml")
+
+
+def test_a_shipped_space_is_found_by_its_name_where_no_such_file_is_here(tmp_path, monkeypatch):
+    """`--space sdxl.yaml`, as `extends:` names it and the tiny spaces' comments say: it was "no
+    such file" anywhere but inside the installed package's folder."""
+    monkeypatch.chdir(tmp_path)
+    assert SearchSpace.from_file("sdxl.yaml").source == str(SHIPPED_DIR / "sdxl.yaml")
+    (tmp_path / "sdxl.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\n")  # a file here comes first
+    assert SearchSpace.from_file("sdxl.yaml").source == "sdxl.yaml"
+    with pytest.raises(SpaceError, match=r"^search space missing.yaml: no such file \(a space file's path, or the "
+                                         r"name of a shipped space: default.yaml, flux.yaml, "):
+        SearchSpace.from_file("missing.yaml")
+    with pytest.raises(SpaceError, match="no such file"):
+        SearchSpace.from_file("elsewhere/sdxl.yaml")  # a path is a path
+
+
+def test_a_local_model_folder_gets_its_familys_space_not_a_yaml_file_beside_it(tmp_path):
+    """A folder's name is its path: `<folder>.yaml` beside it, some file of the user's, was read
+    as its space (an error about a file never given, or a space silently other than sd15's)."""
+    from dataclasses import replace
+
+    from autotune.models import resolve_model
+
+    folder = tmp_path / "mymodel"
+    (tmp_path / "mymodel.yaml").write_text("knobs:\n  dtype: [float32, float16]\n")
+    spec = replace(resolve_model("tiny-sd15"), name=str(folder), kind="pretrained")
+    assert SearchSpace.for_model(spec).source == str(SHIPPED_DIR / "sd15.yaml")
+
+
+@pytest.mark.parametrize("narrowed, gone", [
+    ("dtype: [bfloat16]", ["vae_fp16_fix"]),  # sdxl.yaml searches it when dtype is float16
+    ("compile: [none]", ["compile_regional", "compile_fullgraph", "compile_vae", "inductor_flags",
+                         "compile_freezing"]),
+])
+def test_narrowing_a_knob_an_extended_space_conditions_on_drops_its_dependents_and_says_so(tmp_path, narrowed, gone):
+    """A copy of a shipped space that narrows dtype or compile was refused, with advice to drop a
+    condition written in the shipped file (helper-15)."""
+    path = write(tmp_path, f"extends: sdxl.yaml\nknobs:\n  {narrowed}\n")
+    space = SearchSpace.from_file(path)
+    names = [d.name for d in space.dimensions]
+    assert not set(gone) & set(names) and "fuse_qkv" in names
+    assert {d.knob for d in space.dropped} == set(gone)
+    said = {d.knob: d.reason for d in space.dropped}
+    assert said["compile_fullgraph" if "compile" in narrowed else "vae_fp16_fix"].startswith("searched only when ")
+    assert all(r.endswith(", which this space never tries") for r in said.values())
+
+
+def test_a_condition_whose_choices_this_machine_drops_drops_its_knob_too(tmp_path):
+    """float8dq needs a GPU: channels_last, searched only with it, was listed as searched on a
+    CPU, and the rules were blamed for leaving nothing to measure."""
+    path = write(tmp_path, "knobs:\n  quantize: [none, float8dq]\n"
+                           "  channels_last: {choices: [false, true], when: {quantize: float8dq}}\n")
+    space = SearchSpace.from_file(path).restrict(Target(device="cpu", family="sd15"))
+    assert space.dimensions == []
+    assert [(d.knob, d.value) for d in space.dropped] == [("quantize", "float8dq"), ("channels_last", True)]
+    assert space.dropped[1].reason == "searched only when quantize in float8dq, which does not run here (dropped above)"
 
 
 def test_seeds_become_full_configs_of_the_space_on_this_machine(tmp_path):

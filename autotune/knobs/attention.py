@@ -238,6 +238,9 @@ def _attention_unavailable(value, target):
         return None
     if value == "sdpa-math":
         return None  # runs everywhere: the reference kernel
+    if value == "sdpa-flash" and not target.is_cuda:
+        # torch's CPU SDPA has two kernels, flash and math, and takes flash wherever it runs
+        return NoEffect("on a CPU, SDPA runs its flash kernel already wherever it can")
     if not target.is_cuda:
         return f"{value} needs a CUDA GPU"
     if value in SDPA_KERNELS:

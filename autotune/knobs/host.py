@@ -28,7 +28,7 @@ import platform
 import warnings
 
 from ..errors import AutotuneError
-from .base import Knob, ProcessSettings
+from .base import Knob, NoEffect, ProcessSettings
 
 THRESHOLDS = {"1MiB": 1 << 20, "4MiB": 4 << 20}
 _M_MMAP_THRESHOLD = -3  # malloc.h
@@ -54,8 +54,8 @@ def _glibc():
 def _unavailable(value, target):
     if value == "dynamic":
         return None
-    if target.is_cuda:
-        return "on a GPU the budget is device memory, and this changes host memory only"
+    if target.is_cuda:  # NoEffect: a CPU profile that holds it still loads on a GPU (_apply passes it by)
+        return NoEffect("on a GPU the budget is device memory, and this changes host memory only")
     return _glibc()[1]
 
 
