@@ -651,6 +651,15 @@ def _check_point(point, where: str, path, hint: str = "") -> None:
     for key in OPTIONAL_POINT_NUMBERS:
         if point.get(key) is not None and not _is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
+    for key in ("p90_s", "cold_start_s", "speedup_vs_baseline"):  # "-1.00x the baseline" in show
+        if point.get(key) is not None and point[key] < 0:
+            raise ProfileError(f"profile {path}: {where}.{key} must not be below 0, not {point[key]!r:.40}")
+    # the report opens the image and reads the quality's figures: a list there was a traceback
+    if point.get("image") is not None and not isinstance(point["image"], str):
+        raise ProfileError(f"profile {path}: {where}.image must be a file name or null, not {point['image']!r:.40}")
+    if point.get("quality") is not None and not isinstance(point["quality"], dict):
+        raise ProfileError(f"profile {path}: {where}.quality must be a mapping (psnr_db, ...) or null, "
+                           f"not {point['quality']!r:.40}")
     for key in ("latencies_s", "quiet_latencies_s"):  # a confirmed point's trial medians, read by `choose`
         latencies = point.get(key)
         if latencies is not None and not (isinstance(latencies, list) and latencies
@@ -718,6 +727,10 @@ def validate(data, path) -> None:
         value = data["study"].get(key)
         if value is not None and not isinstance(value, str):
             raise ProfileError(f"profile {path}: study.{key} must be text or null, not {value!r:.40}")
+    for key in ("trials", "complete", "infeasible", "failed"):  # counts, said by show ("many trials measured")
+        value = data["study"].get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ProfileError(f"profile {path}: study.{key} must be a count (0 or more) or null, not {value!r:.40}")
     try:
         workload = Workload.from_dict(data["workload"])
     except ValueError as exc:
@@ -733,6 +746,11 @@ def validate(data, path) -> None:
     if margin >= budget["memory_bytes"]:  # the CLI refuses such a margin: nothing could fit
         raise ProfileError(f"profile {path}: budget.margin {budget['margin']} leaves nothing of the budget "
                            f"({format_size(int(budget['memory_bytes']))})")
+    # margin_bytes is what the run wrote of its margin; the margin is what choose and fits read:
+    # where they disagree one was edited (a margin removed, read as 0, beside 102 MiB written)
+    if budget.get("margin_bytes") is not None and budget["margin_bytes"] != margin:
+        raise ProfileError(f"profile {path}: budget.margin_bytes {budget['margin_bytes']} is not the margin "
+                           f"{budget.get('margin', '0')} of the budget ({margin} bytes): one of them was edited")
     # autotune writes only points that fit: one that does not was edited (a best over its budget
     # loaded and was chosen for that budget without a word; helper-10)
     for where, point in [("best", data["best"]), *((f"pareto[{i}]", p) for i, p in enumerate(data["pareto"]))]:

@@ -1282,6 +1282,15 @@ def test_nvml_finds_a_gpu_by_its_uuid_as_torch_nvml_or_cuda_write_it():
     (("best", "trial"), [1], "best.trial must be a trial number (0 or more) or null, not [1]"),  # the report's TypeError
     (("baseline", "trial"), {"a": 1}, "baseline.trial must be a trial number"),
     (("best", "trial"), True, "best.trial must be a trial number"),
+    # helper-16: the report's TypeError on an image; "many trials measured", "-1.00x the baseline"
+    (("best", "image"), ["a"], "best.image must be a file name or null, not ['a']"),
+    (("baseline", "image"), 5, "baseline.image must be a file name or null, not 5"),
+    (("best", "quality"), "good", "best.quality must be a mapping (psnr_db, ...) or null, not 'good'"),
+    (("best", "speedup_vs_baseline"), -1, "best.speedup_vs_baseline must not be below 0, not -1"),
+    (("study", "trials"), "many", "study.trials must be a count (0 or more) or null, not 'many'"),
+    (("study", "infeasible"), -3, "study.infeasible must be a count"),
+    # one of the two edited (a margin removed reads as 0 beside the 102 MiB the run wrote)
+    (("budget", "margin_bytes"), 107374182, "budget.margin_bytes 107374182 is not the margin 0 of the budget (0 bytes)"),
 ])
 def test_a_field_no_autotune_writes_so_is_refused_when_read(tmp_path, where, value, message):
     doc = document()
