@@ -448,7 +448,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
         if twin is None:
             data = read()
             keys = [*keys, *_resolved(data)]
-            twin = next((seen[k] for k in keys if k in seen), None)
+            twin = next((seen[k] for k in keys if k in seen and _says_the_same(seen[k], data)), None)
             if twin is None:
                 seen.update(dict.fromkeys(keys, data))
                 out.append(data)
@@ -499,6 +499,18 @@ def _without_moved_twins(loaded: list[StudyData]) -> list[StudyData]:
             twin.notes.append(f"{d.name}: given again (profile {d.origin}, whose recorded storage is not "
                               "here), compared once")
     return kept
+
+
+def _says_the_same(a: StudyData, b: StudyData) -> bool:
+    """Whether two sources of one study are one thing to compare: not two profiles of it written
+    at different times, whose bests differ (one exported halfway, one at the end: the later one
+    was dropped as "given again", and the earlier one's figures drawn; helper-16)."""
+    if a.source == b.source == "profile":
+        def said(d):
+            return d.best and (d.best.trial, d.best.latency_s, d.best.peak_memory_bytes)
+
+        return said(a) == said(b)
+    return True
 
 
 def _study_key(url: str, name: str) -> tuple:
@@ -1141,12 +1153,33 @@ def _writing(path: Path, what: str = "write it"):
         raise ReportError(f"report {path}: cannot {what} ({os_reason(exc)})") from None
 
 
+# What marks an index.html as a report's: the generator tag, or before it (2026-11-29) the page's style.
+REPORT_MARKS = ('<meta name="generator" content="autotune report">',
+                "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}")
+
+
+def _check_ours_to_replace(out: Path) -> None:
+    """A report replaces index.html and its charts, and removes charts it does not draw again:
+    only in a folder whose index.html a report wrote. `--out .` in a folder holding a user's
+    timeline.png or index.html deleted or replaced them (helper-16)."""
+    index = out / "index.html"
+    with _writing(index, "read it"):
+        head = index.read_text(encoding="utf-8", errors="replace")[:4000] if index.is_file() else ""
+    if any(mark in head for mark in REPORT_MARKS):
+        return
+    theirs = [p.name for p in (index, *(out / f"{name}.png" for name in CHARTS)) if p.exists()]
+    if theirs:
+        raise ReportError(f"report {out}: it holds {', '.join(theirs)}, which no autotune report wrote there: "
+                          "give --out an empty or new folder")
+
+
 def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "autotune: compared studies") -> list[Path]:
     """Every chart as PNG in `out_dir`, and index.html showing them with the table of bests.
     Returns the files written, index.html last."""
     out = Path(out_dir)
     with _writing(out, "create the folder"):  # before drawing anything: an unusable --out fails at once
         out.mkdir(parents=True, exist_ok=True)
+    _check_ours_to_replace(out)
     written = []
     sections = []
     for name, fig in figures(studies).items():
@@ -1161,7 +1194,7 @@ def write_report(studies: list[StudyData], out_dir: str | Path, title: str = "au
         sections.append(best_table_html(studies))
     _remove_charts_not_drawn(out, CHARTS, written)
     page = (
-        f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<!doctype html>\n<html><head><meta charset='utf-8'>{REPORT_MARKS[0]}<title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}"
         "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:4px}</style>"
         f"</head><body>\n<h1>{html.escape(title)}</h1>\n{overview_html(studies)}\n"

@@ -679,12 +679,12 @@ def test_a_report_folder_that_cannot_be_written_is_one_line(tmp_path):
     url = synthetic_study(tmp_path, {})
     (study,) = report.load(url)
     (tmp_path / "a-file").write_text("x")
-    (tmp_path / "taken" / "index.html").mkdir(parents=True)  # the charts fit, the page does not
+    (tmp_path / "taken" / "index.html").mkdir(parents=True)  # not a report's page
     for out, message in [
         (tmp_path / "a-file", "cannot create the folder (a file is in the way)"),
         (tmp_path / "a-file" / "sub", "cannot create the folder (Not a directory)"),
         (Path("/proc/autotune-report"), "cannot create the folder"),
-        (tmp_path / "taken", "index.html: cannot write it (Is a directory)"),
+        (tmp_path / "taken", "it holds index.html, which no autotune report wrote there"),  # a folder there
     ]:
         with pytest.raises(report.ReportError) as exc:
             report.write_report([study], out)
@@ -881,6 +881,26 @@ def test_profiles_of_two_machines_whose_studies_are_not_here_are_both_compared(s
         profile_recording(studies, tmp_path / f"{machine}.yaml", "sqlite:///autotune-studies/studies.db")
     loaded = report.load([str(tmp_path / "a10.yaml"), str(tmp_path / "l4.yaml")])
     assert [s.origin for s in loaded] == ["a10.yaml", "l4.yaml"]
+
+
+def test_two_profiles_of_one_study_written_at_different_times_are_both_compared(studies, tmp_path, monkeypatch):
+    """One exported halfway, one at the end: the later one was dropped as "given again", and the
+    halfway figures drawn (helper-16). Each says its own best now, labelled by its file."""
+    from autotune import report
+
+    folder, _ = studies
+    monkeypatch.chdir(folder)
+    halfway = tmp_path / "halfway.yaml"
+    doc = yaml.safe_load((folder / "roomy.yaml").read_text())
+    slower = doc["best"]["latency_s"] * 1.5
+    for point in [doc["best"], *doc["pareto"]]:
+        if point["trial"] == doc["best"]["trial"]:
+            point["latency_s"] = slower
+    halfway.write_text(yaml.safe_dump(doc, sort_keys=False))
+    loaded = report.load([str(halfway), "roomy.yaml"])
+    assert [(s.origin, s.best.latency_s == slower) for s in loaded] == [("halfway.yaml", True), ("roomy.yaml", False)]
+    assert len({s.label for s in loaded}) == 2
+    assert not any("given again" in note for s in loaded for note in s.notes)
 
 
 # ---- charts: what they draw matches what they say ---------------------------------------------
@@ -1235,14 +1255,26 @@ def test_names_with_dollar_signs_are_drawn_as_written_and_old_charts_do_not_ling
     text = drawn_text(charts["speedups"])
     assert "one$\\foo$.yaml" in text and "cost $5 and $10" in text
     out = tmp_path / "out"
-    out.mkdir()
-    for name in ("fronts.png", "images.png", "mine.png"):
-        (out / name).write_bytes(PNG)  # an earlier report's charts, and a file of the user's
+    assert "fronts.png" in [p.name for p in report.write_report(loaded, out)]  # an earlier report's charts
+    (out / "mine.png").write_bytes(PNG)  # and a file of the user's
     stopped = f"sqlite:///{tmp_path / 'stopped.db'}"
     stopped_study(stopped, "stopped", 2**31)
     written = report.write_report(report.load([f"stopped@{stopped}"]), out)  # nothing measured: no chart
     assert [p.name for p in written] == ["index.html"]
     assert sorted(p.name for p in out.iterdir()) == ["index.html", "mine.png"]
+    # a folder whose charts and index.html no report wrote: refused, each file as it was (helper-16)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "timeline.png").write_bytes(PNG)
+    (theirs / "index.html").write_text("<p>my page</p>")
+    with pytest.raises(report.ReportError, match=r"it holds index.html, timeline.png, which no autotune report "
+                                                 r"wrote there: give --out an empty or new folder$"):
+        report.write_report(report.load([f"stopped@{stopped}"]), theirs)
+    assert (theirs / "index.html").read_text() == "<p>my page</p>" and (theirs / "timeline.png").read_bytes() == PNG
+    # a report written before the generator tag is known by its page's style
+    (theirs / "index.html").write_text(report.REPORT_MARKS[1] + "</style>")
+    assert [p.name for p in report.write_report(report.load([f"stopped@{stopped}"]), theirs)] == ["index.html"]
+    assert not (theirs / "timeline.png").exists()
 
 
 def test_a_storage_whose_path_holds_an_at_sign_is_read_whole(studies, tmp_path):
