@@ -533,23 +533,20 @@ WORKLOAD_PARTS = (
 
 
 def _label(studies: list[StudyData]) -> None:
-    """Short, distinct labels: model, budget, device; then the workload where only it differs
-    (names of nine studies that differ by steps alone told less); the study name where those
-    collide too."""
+    """Short, distinct labels: model, budget, device; then the workload where workloads differ
+    among the studies (names of nine studies that differ by steps alone told less), on every
+    label (added only where labels collided, a 1GB study at 4 steps stood unlabelled beside two
+    2GB ones at 4 and 2 steps; helper-16); the study name where those collide too."""
     from .sizes import short_size
 
     for s in studies:
         if not s.label:
             budget = short_size(s.budget_bytes) if s.budget_bytes else "?"
             s.label = f"{s.model.get('name', '?')} {budget} {s.device}"
-    groups: dict[str, list[StudyData]] = {}
-    for s in studies:
-        groups.setdefault(s.label, []).append(s)
-    for group in groups.values():
-        parts = [fmt for keys, fmt in WORKLOAD_PARTS
-                 if len({tuple(s.workload.get(k) for k in keys) for s in group}) > 1]
-        for s in group if parts else []:
-            s.label = f"{s.label} {' '.join(fmt(s.workload) for fmt in parts)}"
+    parts = [fmt for keys, fmt in WORKLOAD_PARTS
+             if len({tuple(s.workload.get(k) for k in keys) for s in studies}) > 1]
+    for s in studies if parts else []:
+        s.label = f"{s.label} {' '.join(fmt(s.workload) for fmt in parts)}"
     seen: dict[str, int] = {}
     for s in studies:
         seen[s.label] = seen.get(s.label, 0) + 1

@@ -1026,6 +1026,23 @@ def test_labels_name_the_workload_where_only_it_differs(tmp_path):
                       "tiny-sd15 1GB cpu 64x64 4 steps [again-4s]"]
 
 
+def test_every_label_names_the_workload_where_workloads_differ(tmp_path):
+    """A 1GB study at 4 steps beside 2GB studies at 4 and 2 steps: its label named no workload,
+    as it collided with no other (helper-16)."""
+    import optuna
+
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    ranked_study(url, "small-4s", 4, trials=1)
+    for steps in (4, 2):
+        ranked_study(url, f"large-{steps}s", steps, trials=1)
+        study = optuna.load_study(study_name=f"large-{steps}s", storage=url)
+        study.set_user_attr("request", {**study.user_attrs["request"], "budget_bytes": 2**31})
+    assert [s.label for s in report.load(url)] == ["tiny-sd15 1GB cpu 64x64 4 steps", "tiny-sd15 2GB cpu 64x64 4 steps",
+                                                   "tiny-sd15 2GB cpu 64x64 2 steps"]
+
+
 def test_the_importance_legend_covers_no_bars_and_the_notes_show(tmp_path):
     # with many studies the legend, inside the right panel, covered its bars
     from matplotlib.backends.backend_agg import FigureCanvasAgg
