@@ -821,24 +821,32 @@ def _check_study_name(name: str, given: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def _undone_if_refused(workdir: Path, output: Path | None):
+def _undone_if_refused(workdir: Path | None, output: Path | None):
     """The folders the checks before a search make (the work folder, the profile's missing
-    folders), removed again where a check then refuses the run, those left empty: a storage
-    that does not answer left `-o a/b/p.yaml`'s folders and the work folder behind. (A storage
-    file made meanwhile stays: another worker may be writing to it already.)"""
+    folders), removed again where a check then refuses the run (an error raised, or a non-zero
+    exit code put in the list it yields), those left empty: a storage that does not answer left
+    `-o a/b/p.yaml`'s folders and the work folder behind. (A storage file made meanwhile stays:
+    another worker may be writing to it already.)"""
     missing = []
     for path in filter(None, [workdir, output and Path(output).parent]):
         for folder in [path.absolute(), *path.absolute().parents]:
             if folder.exists() or folder.is_symlink():
                 break
             missing.append(folder)
-    try:
-        yield
-    except BaseException:
+
+    def undo():
         for folder in sorted(set(missing), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):  # one that holds something stays
                 folder.rmdir()
+
+    returned = []
+    try:
+        yield returned
+    except BaseException:
+        undo()
         raise
+    if returned and returned[0] != 0:
+        undo()
 
 
 def _check_storage_keeps(storage: str) -> None:
@@ -1051,13 +1059,6 @@ def _tune_on_gpus(out, request, args, argv: list[str], output: Path) -> int:
 
 def _export(argv: list[str]) -> int:
     """Write the profile of a stored study, from any machine that reaches its storage."""
-    from . import console
-    from .errors import AutotuneError
-    from .profile import check_writable
-    from .sizes import format_size
-    from .study import STOP_REASON, request_of, summarize, unfinished
-    import optuna
-
     p = Parser(prog="autotune export", description="write the profile of a stored (shared) study")
     p.add_argument("--study-name", help="the study to export (without it: the studies the storage holds are listed)")
     where = p.add_mutually_exclusive_group()
@@ -1067,6 +1068,21 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--output", "-o", type=a_path, help="profile path, its folders made as needed "
                    "(default: MODEL-BUDGET.yaml)")
     args = p.parse_args(argv)
+    # `-o a/b/p.yaml`'s folders, made by the check that it can be written, go again where no
+    # profile is written (no such study, nothing that fits; helper-16)
+    with _undone_if_refused(None, args.output) as returned:
+        returned.append(_export_study(args))
+    return returned[0]
+
+
+def _export_study(args) -> int:
+    from . import console
+    from .errors import AutotuneError
+    from .profile import check_writable
+    from .sizes import format_size
+    from .study import STOP_REASON, request_of, summarize, unfinished
+    import optuna
+
     storage = args.storage or default_storage(args.workdir)
     if args.output:  # before the summary is printed: a path that takes no file is the one line
         _check_not_the_storage(args.output, storage)

@@ -178,6 +178,13 @@ def test_a_run_refused_before_its_search_leaves_no_folder_or_storage_behind(cli,
     assert not (tmp_path / "a").exists() and not (tmp_path / "wd").exists()
     line = one_line_error(cli("--warm-start", "missing.yaml", "--trials", "1"))
     assert "--warm-start missing.yaml" in line and not (tmp_path / "autotune-studies").exists()
+    # export: refused (no such study), or ended without a profile (exit 2: which study?) (helper-16)
+    assert "no study 'nope'" in one_line_error(cli("export", "--study-name", "nope", "-o", "out1/a/b/p.yaml"))
+    import optuna
+
+    optuna.create_study(study_name="other", storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert cli("export", "--storage", "sqlite:///s.db", "-o", "out2/a/p.yaml").returncode == 2
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
 
 
 def test_forbid_rules_that_leave_the_baseline_alone_are_refused(cli, tmp_path):
