@@ -6,7 +6,7 @@
     report.write_report(studies, "out/")   # every chart as PNG, and index.html listing them
 
 A source is `NAME@STORAGE_URL` (one study; in a string of several, quoted where the name holds
-spaces), a bare storage URL (every study in it), a SQLite file (the same as its sqlite:/// URL),
+spaces), a bare storage URL (every study in it), a SQLite or journal file (the same as its URL),
 or a profile file (its best, baseline and front; its study's
 trials too when the storage it names is found). A file or study given twice is compared once.
 The notebook notebooks/compare_studies.ipynb calls these functions; so does `autotune report`.
@@ -425,7 +425,7 @@ def _entries(sources: str) -> list[str]:
 def load(sources, storage: str | None = None, studies: list[str] | None = None) -> list[StudyData]:
     """Studies to compare, from `sources`: a list, or one string of entries separated by spaces
     or newlines (quote one that holds spaces); each `NAME@STORAGE_URL`, a storage URL (all its
-    studies), a SQLite file (the same), or a profile path. `studies` names studies in `storage` (default: default_storage())
+    studies), a SQLite or journal file (the same), or a profile path. `studies` names studies in `storage` (default: default_storage())
     besides. A profile file or a study given twice is compared once."""
     if isinstance(sources, str):
         sources = _entries(sources)
@@ -476,7 +476,7 @@ def load(sources, storage: str | None = None, studies: list[str] | None = None) 
             add([("profile", Path(entry).resolve())], entry, lambda: load_profile_source(entry))
         else:
             raise ReportError(f"'{entry}': expected NAME@STORAGE_URL, a storage URL "
-                              "(sqlite:///FILE, journal:FILE, ...), a SQLite file or a profile file")
+                              "(sqlite:///FILE, journal:FILE, ...), a SQLite or journal file, or a profile file")
     out = _without_moved_twins(out)
     if not out:
         raise ReportError("nothing to compare: give studies (NAME@STORAGE_URL), a storage or profiles")
@@ -1279,7 +1279,7 @@ def main(argv: list[str]) -> int:
         "autotune report a.yaml b.yaml --out report/",
     )
     p.add_argument("sources", nargs="*", metavar="SOURCE",
-                   help="a profile file, NAME@STORAGE_URL, or a storage URL or SQLite file (all its studies)")
+                   help="a profile file, NAME@STORAGE_URL, or a storage URL, SQLite or journal file (all its studies)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--storage", type=a_storage_url, help="storage URL of the --study names (default: sqlite:///WORKDIR/studies.db)")
     where.add_argument("--workdir", type=a_path,

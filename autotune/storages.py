@@ -296,9 +296,26 @@ def is_sqlite_file(text: str) -> bool:
         return False
 
 
+def is_journal_file(text: str) -> bool:
+    """A path that names a file Optuna's journal storage wrote: JSON lines, an operation each."""
+    try:
+        with Path(text).open("rb") as f:
+            return f.read(len(JOURNAL_START)) == JOURNAL_START
+    except OSError:
+        return False
+
+
+JOURNAL_START = b'{"op_code":'  # the first line of every journal: the operation that created a study
+
+
 def as_storage_url(text: str) -> str:
-    """A path that names a SQLite file (x.db) as its storage URL; anything else as it is."""
-    return sqlite_url(Path(text)) if text and not is_storage_url(text) and is_sqlite_file(text) else text
+    """A path that names a SQLite file (x.db) or a journal file as its storage URL; anything else
+    as it is (`autotune report runs.journal` read the journal as a profile: "not valid YAML")."""
+    if not text or is_storage_url(text):
+        return text
+    if is_sqlite_file(text):
+        return sqlite_url(Path(text))
+    return f"journal:{text}" if is_journal_file(text) else text
 
 
 def study_and_storage(entry: str) -> tuple[str, str] | None:

@@ -541,6 +541,10 @@ def test_a_killed_confirmers_bar_ends_at_its_last_heartbeat_on_a_journal(tmp_pat
         study.add_trial(t)
     (data,) = report.load(f"j@{url}")
     assert [(sp.kind, sp.end_s) for sp in data.timeline if sp.kind == "confirmation"] == [("confirmation", 50.0)]
+    # the journal file by its path, as a SQLite file is taken: it was read as a profile, "not valid
+    # YAML" (helper-16)
+    (by_path,) = report.load(str(tmp_path / "j.log"))
+    assert (by_path.name, by_path.storage) == ("j", url)
 
 
 def test_no_images_and_too_few_trials_are_notes_not_errors(tmp_path):
