@@ -295,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                              "tune with options such as --model)")
         _stop_when_gpus_parent_dies()
         return _tune(tune_parser().parse_args(argv), argv)
-    except UsageError as exc:
-        print(f"autotune: error: {exc} (see autotune --help)", file=sys.stderr)
+    except UsageError as exc:  # the help of the command given (export's -o is not the run's)
+        command = f"autotune {argv[0]}" if argv and argv[0] in (*PROFILE_COMMANDS, "export", "report") else "autotune"
+        print(f"autotune: error: {exc} (see {command} --help)", file=sys.stderr)
         return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
@@ -723,20 +724,23 @@ def default_profile_path(spec, budget: int) -> Path:
 
 
 def _check_output_replaceable(output: Path, study_name: str, default_named: bool,
-                              earlier: dict[str, tuple[int, str]] | None = None) -> str | None:
+                              earlier: dict[str, tuple[int, str]] | None = None, exporting: bool = False) -> str | None:
     """Whether this study's profile may replace what `output` holds; checked before the search and
     again as the profile is written. A file autotune does not read as a profile (a newer
     autotune's, or a file of the user's) is refused, unless it names this very study. The profile
     of another study is refused at the default name, which says model and budget only: a run of
     another workload, seed or threshold would silently replace the profile a server may be
     loading (what differs is said where that study is one of `earlier`, _earlier_studies). A name
-    given with -o is the user's choice: the other study's name is returned, for a note."""
+    given with -o is the user's choice: the other study's name is returned, for a note.
+    `exporting`: said of the study `autotune export` writes, not of a run."""
     from .errors import AutotuneError, first_line
     from .profile import load_profile
 
     if not output.is_file() or output.stat().st_size == 0:  # an empty file (mktemp's) holds nothing to lose
         return None
-    instead = "name this run's profile with -o" if default_named else "name another file with -o"
+    this = "the exported study" if exporting else "this run"
+    mine = "its profile" if exporting else "this run's profile"
+    instead = f"name {mine} with -o" if default_named else "name another file with -o"
     try:
         held = load_profile(output, check_fingerprint=False).data["study"]["name"]
     except (AutotuneError, KeyError, TypeError) as exc:
@@ -750,7 +754,7 @@ def _check_output_replaceable(output: Path, study_name: str, default_named: bool
         return held
     differences = (earlier or {}).get(held)
     why = f", measured under other settings ({differences[1]})" if differences and differences[1] else ""
-    raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); this run is "
+    raise AutotuneError(f"{output} holds the profile of another run (study {held}{why}); {this} is "
                         f"study {study_name}: {instead}, or move the file away")
 
 
@@ -1088,7 +1092,7 @@ def _export_study(args) -> int:
         _check_not_the_storage(args.output, storage)
         check_writable(args.output)
         if args.study_name:
-            _check_output_replaceable(args.output, args.study_name, default_named=False)
+            _check_output_replaceable(args.output, args.study_name, default_named=False, exporting=True)
     check_file(storage, must_exist=False)  # not a URL, a folder: said as they are
     try:  # no storage file yet: "no study", with a hint where it is the default one
         check_file(storage, hint="" if args.storage or args.workdir else WORKDIR_HINT)
@@ -1096,6 +1100,8 @@ def _export_study(args) -> int:
         raise AutotuneError(f"no study {args.study_name!r}: {exc}" if args.study_name else str(exc)) from None
     backend = open_storage(storage, existing=True)
     if not args.study_name:  # which one? the names are long (a digest): a list to copy from
+        if not optuna.get_all_study_names(backend):  # not "name the study" where there is none
+            raise AutotuneError(f"no study in {display_url(storage)}: nothing to export")
         _list_studies(backend, storage)
         print("autotune export: name the study to export with --study-name", file=sys.stderr)
         return EXIT_USAGE
@@ -1116,7 +1122,7 @@ def _export_study(args) -> int:
         _check_not_the_storage(output, storage)
         check_writable(output)
         if outcome.best is not None:  # else no profile is written, and the summary says why
-            _check_output_replaceable(output, args.study_name, default_named=True)
+            _check_output_replaceable(output, args.study_name, default_named=True, exporting=True)
     out = console.terminal()
     out.print(f"study {args.study_name} in {display_url(storage)}: {request.spec.name}, "
               f"{request.target.device}, budget {format_size(request.budget_bytes)}")

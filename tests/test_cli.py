@@ -407,6 +407,9 @@ def test_export_without_a_study_name_lists_the_studies_it_could_export(cli, tmp_
     from autotune.models import resolve_model
 
     url = f"sqlite:///{tmp_path / 's.db'}"
+    optuna.storages.RDBStorage(url)  # a storage that holds no study yet: said, not "name the study"
+    proc = cli("export", "--storage", "sqlite:///s.db")
+    assert (proc.returncode, one_line_error(proc)) == (1, "autotune: error: no study in sqlite:///s.db: nothing to export")
     spec = resolve_model("tiny-sd15")
     request = {"model": spec.to_dict(), "workload": spec.default_workload.to_dict(), "budget_bytes": 2**31,
                "device": "cpu", "family": "sd15", "margin": "5%", "repeats": 3, "max_calls": 10,
@@ -448,6 +451,7 @@ def test_export_refuses_to_write_over_the_storage_it_reads(cli, tmp_path):
     optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s")
     line = one_line_error(cli("export", "--study-name", "s", "--storage", "sqlite:///s.db", "-o", "s.db"))
     assert "would destroy the measured trials" in line
+    assert line.endswith("(see autotune export --help)")  # export's help: its -o, not the run's
     assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")  # still a database
 
 
