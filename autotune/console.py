@@ -456,8 +456,9 @@ def print_profile(out: Console, profile) -> None:
     # this module stays light.)
     from .knobs import complete
 
-    def is_best(point) -> bool:
-        return point.get("trial") == best.get("trial") and complete(point["config"]) == complete(best["config"])
+    def is_best(point) -> bool:  # by trial where both name one (a best edited without it was listed twice)
+        trials = {point.get("trial"), best.get("trial")} - {None}
+        return len(trials) <= 1 and complete(point["config"]) == complete(best["config"])
 
     rows = list(d["pareto"])
     off_front = not any(map(is_best, rows))

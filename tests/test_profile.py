@@ -1051,6 +1051,10 @@ def test_show_finds_the_best_on_the_front_when_a_default_knob_was_deleted_from_i
     text = show(load_profile(profile_io.save(doc, tmp_path / "edited.yaml")))
     rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
     assert rows == ["5", "3 (best)"] and "not on it" not in text
+    doc["best"] = {k: v for k, v in doc["best"].items() if k != "trial"}  # its trial number removed too (helper-16: listed twice)
+    text = show(load_profile(profile_io.save(doc, tmp_path / "edited.yaml")))
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert rows == ["5", "3 (best)"] and "not on it" not in text
 
 
 def test_a_profile_cut_short_at_any_line_is_refused(tmp_path):
