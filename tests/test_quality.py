@@ -56,6 +56,36 @@ def test_an_output_of_another_shape_than_the_reference_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["sdxl", "sd15", "sd3", "flux"])
+def test_every_precision_starts_from_the_float32_references_noise(family):
+    """The starting latents are drawn in float32 for every config (workload.initial_noise), in
+    the shape and layout the pipeline draws them in itself. Drawn by the pipeline in its dtype,
+    torch 2.11 (the GPU image's) gave bfloat16 other noise than float32: PSNR 13-14 dB in every
+    family, and the quality guard compared unrelated images. (torch 2.13 draws the same values
+    in both dtypes: here the shapes and the dtype are what can fail.)"""
+    from autotune.models import build_pipeline, resolve_model
+    from autotune.workload import Workload
+
+    spec = resolve_model(f"tiny-{family}")
+    workload = Workload(height=64, width=64, steps=1)
+    first = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        pipe = build_pipeline(spec).to(dtype)
+        pipe.set_progress_bar_config(disable=True)
+        denoiser = pipe.unet if family in ("sdxl", "sd15") else pipe.transformer
+        seen = []
+        denoiser.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+            (args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))).detach().clone()), with_kwargs=True)
+        workload.call(pipe)
+        ours = seen[0]
+        # the pipeline's own draw, for its shape: ours must be what it takes in its place
+        pipe(**workload.pipeline_kwargs(), generator=torch.Generator().manual_seed(0), output_type="np")
+        assert ours.shape == seen[-1].shape and ours.dtype == seen[-1].dtype == dtype
+        first[dtype] = ours
+    # one noise: bfloat16's first input is float32's rounded (CFG batches it twice in UNet families)
+    assert torch.equal(first[torch.bfloat16], first[torch.float32].to(torch.bfloat16))
+
+
 def test_vae_tiling_is_rejected_by_default_and_accepted_when_loosened_bfloat16_passes(cli, tmp_path):
     (tmp_path / "space.yaml").write_text(TINY_SPACE)
     # The tiny model's own resolution (tiling acts above the VAE's sample size), 2 steps.
