@@ -463,11 +463,18 @@ def _quiet_libraries() -> None:
     # torchao 0.18 registers its enums with torch 2.13's pytree, which warns at import that this
     # is deprecated: a notice for torchao's developers, printed on every run that lists knobs
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # An xFormers built for another torch logs 7 lines at import; --list-knobs and the header say
+    # in one line that it is dropped, and why (knobs.attention._xformers_unusable)
+    logging.getLogger("xformers").setLevel(logging.ERROR)
     # A warning that does show (a profile from another machine, say) is one line for the user,
     # not Python's file:line and source line of the call that warned.
     import warnings
 
     warnings.showwarning = _one_line_warning
+    # a library compiled on its first import (installed without bytecode, as pip --no-compile
+    # does) warns of its own source's escapes: torchao's "invalid escape sequence '\.'" read as
+    # autotune's
+    warnings.filterwarnings("ignore", category=SyntaxWarning)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

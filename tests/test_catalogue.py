@@ -75,6 +75,20 @@ def reason(knob, value, target):
     return CATALOGUE[knob].unavailable(value, target)
 
 
+def xformers_said(why) -> bool:
+    """Whether `why` is what xFormers on a CUDA target is dropped for on this machine: not
+    installed (CI), installed with kernels that do not load with this torch (the GPU image's
+    wheel, built for another); anything where its kernels load (on Flux the dispatcher's check)."""
+    import importlib.util
+
+    if importlib.util.find_spec("xformers") is None:
+        return why == "the package 'xformers' is not installed"
+    from autotune.knobs.attention import _xformers_unusable
+
+    unusable = _xformers_unusable()
+    return unusable is None or (why == unusable and "has no CUDA kernels that load" in why)
+
+
 # ---- precision --------------------------------------------------------------------------------------
 def test_tf32_and_cudnn_benchmark_are_cuda_only_with_a_reason():
     for knob in ("tf32", "cudnn_benchmark"):
@@ -524,8 +538,8 @@ def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():
     assert isinstance(reason("attention", "sdpa-flash", cpu("sdxl")), NoEffect)
     assert reason("attention", "sdpa-flash", cuda("sdxl")) is None
     assert "8.0" in reason("attention", "sdpa-cudnn", cuda("sdxl", (7, 5)))
-    # xFormers: not installed here, which is the reason given on a GPU
-    assert "'xformers' is not installed" in reason("attention", "xformers", cuda("sd15"))
+    # xFormers on a GPU: the reason this machine's install gives (not installed, as in CI), or none
+    assert xformers_said(reason("attention", "xformers", cuda("sd15")))
 
 
 @pytest.mark.parametrize("cpp_lib, usable", [
@@ -1154,7 +1168,7 @@ def test_every_pair_on_a_cuda_target_is_allowed_only_if_its_choices_run_there(fa
     space = SearchSpace.from_file(SHIPPED_DIR / f"{family}.yaml").restrict(target)
     dropped = {(d.knob, d.value): d.reason for d in space.dropped}
     assert "more than one CUDA GPU" in dropped[("placement", "balanced")]
-    assert "'xformers' is not installed" in dropped[("attention", "xformers")]
+    assert xformers_said(dropped.get(("attention", "xformers")))
     pairs = allowed_pairs(space)
     ruled_out = {}
     for pair, config in pairs:

@@ -1692,6 +1692,12 @@ def test_a_warning_reaches_the_user_as_one_line():
     code = "from autotune import cli; cli._quiet_libraries(); import warnings; warnings.warn('profiled elsewhere')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr == "autotune: warning: profiled elsewhere\n"
+    # a library's source compiled at its first import (installed without bytecode: the GPU
+    # machine's pip --no-compile) warned as autotune: "autotune: warning: invalid escape sequence"
+    code = ("from autotune import cli; cli._quiet_libraries(); import logging; "
+            "compile(\"x = '\\\\.'\", 'torchao_like.py', 'exec'); logging.getLogger('xformers').warning('WARNING[XFORMERS]')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stderr == ""
 
 
 @pytest.mark.parametrize("command", ["show", "verify", "export", "report"])
