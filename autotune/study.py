@@ -735,6 +735,7 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
             f"{result['status']}: {result.get('error', '')}{hint}"
         )
     guard = {"reference": str(req.reference_path.resolve()), "reference_config": request["config"],
+             "noise": quality.NOISE,
              "float32_call_s": result.get("latency_s"), "float32_peak_bytes": result.get("peak_memory_bytes"),
              "cores_taken_by_others": result.get("cores_taken_by_others")}
     auto = threshold and req.min_psnr_db == "auto"
@@ -1040,6 +1041,8 @@ def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step:
     (`seeds_in_bfloat16`: the seeds wait on them). This run's calls, or those the study kept (a
     run that made them may have stopped before it queued the seeds)."""
     guard = study.user_attrs.get("quality_guard")
+    if guard is not None and guard.get("noise") != quality.NOISE:
+        guard = _guard_of_the_old_noise(study, guard)
     kept = guard or study.user_attrs.get("precision_probe") or {}
     if req.min_psnr_db and (guard is None or not quality.readable(req.reference_path)):
         # Each machine keeps its own reference output (the study may be shared), made again
@@ -1063,6 +1066,24 @@ def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step:
         except AutotuneError:
             pass  # the seeds keep their precision; the baseline trial shows what fails here
     return kept
+
+
+def _guard_of_the_old_noise(study: optuna.Study, guard: dict) -> dict:
+    """The guard of a study measured before every config drew its starting noise in float32:
+    kept, marked, where this torch draws the same noise in every precision; refused where it does
+    not, as its half-precision trials were compared with an image of other noise (bfloat16 at
+    13-14 dB on the tiny models with torch 2.11, and an "auto" threshold of about 7.5 dB)."""
+    import torch
+
+    if quality.precision_changes_the_draw():
+        raise AutotuneError(
+            f"study {study.study_name} was measured before autotune drew every config's starting noise "
+            f"in float32: with this torch ({torch.__version__}) its half-precision trials started from "
+            "other noise than the float32 reference, and their PSNR compared unrelated images; "
+            "start a new study (--study-name)")
+    guard = {**guard, "noise": quality.NOISE}
+    study.set_user_attr("quality_guard", guard)
+    return guard
 
 
 def _say_if_busy(calibration: dict, on_step: Callable[[str], None]) -> None:

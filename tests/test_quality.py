@@ -61,8 +61,8 @@ def test_every_precision_starts_from_the_float32_references_noise(family):
     """The starting latents are drawn in float32 for every config (workload.initial_noise), in
     the shape and layout the pipeline draws them in itself. Drawn by the pipeline in its dtype,
     torch 2.11 (the GPU image's) gave bfloat16 other noise than float32: PSNR 13-14 dB in every
-    family, and the quality guard compared unrelated images. (torch 2.13 draws the same values
-    in both dtypes: here the shapes and the dtype are what can fail.)"""
+    family, and the quality guard compared unrelated images. torch 2.13 draws the same values in
+    both dtypes: that the pipeline is given its latents, and does not draw them, is checked too."""
     from autotune.models import build_pipeline, resolve_model
     from autotune.workload import Workload
 
@@ -76,7 +76,12 @@ def test_every_precision_starts_from_the_float32_references_noise(family):
         seen = []
         denoiser.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
             (args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))).detach().clone()), with_kwargs=True)
+        given = []
+        prepare = pipe.prepare_latents  # the pipeline's own, called through: what it was given is noted
+        pipe.prepare_latents = lambda *args, **kwargs: given.append(
+            kwargs["latents"] if "latents" in kwargs else args[7]) or prepare(*args, **kwargs)
         workload.call(pipe)
+        assert given[0] is not None  # drawn by the pipeline, it came in the pipeline's dtype
         ours = seen[0]
         # the pipeline's own draw, for its shape: ours must be what it takes in its place
         pipe(**workload.pipeline_kwargs(), generator=torch.Generator().manual_seed(0), output_type="np")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from autotune import quality, storages, study
+from autotune.errors import AutotuneError
 from autotune.knobs import Target, baseline
 from autotune.models import resolve_model
 from autotune.space import Dimension, SearchSpace
@@ -592,6 +593,32 @@ def measure_with_outputs(latency_of):
 
 
 BF16_SEEDS = [{"dtype": "bfloat16", "fuse_qkv": True}, {"dtype": "bfloat16", "channels_last": True}]
+
+
+def test_a_guard_from_before_the_float32_noise_is_kept_where_the_draws_agree_and_refused_where_not(tmp_path, monkeypatch):
+    """A study calibrated before every config drew its noise in float32 (helper-18): with torch
+    2.11 its bfloat16 trials compared unrelated images, and its "auto" threshold was about 7.5 dB.
+    Resumed with a torch that draws alike in every precision (this one) it goes on, its guard
+    marked; with one that does not, it is refused. Which torch draws alike is scripted: one torch
+    runs in a process (precision_changes_the_draw says False with torch 2.13, True with 2.11)."""
+    import optuna
+
+    monkeypatch.setattr(quality, "precision_changes_the_draw", lambda: False)
+    measure, _ = measure_with_outputs(lambda c: 1.0)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    req = request(SearchSpace(SPACE), tmp_path, trials=1, confirm_rounds=0, min_psnr_db="auto", storage=url)
+    study.tune(req, measure=measure)
+    stored = optuna.load_study(study_name="s", storage=url)
+    assert stored.user_attrs["quality_guard"]["noise"] == "float32"
+    old = {k: v for k, v in stored.user_attrs["quality_guard"].items() if k != "noise"}
+    stored.set_user_attr("quality_guard", old)  # as a study calibrated before 2026-11-29 holds it
+    study.tune(replace(req, trials=2), measure=measure)
+    assert optuna.load_study(study_name="s", storage=url).user_attrs["quality_guard"] == {**old, "noise": "float32"}
+    stored.set_user_attr("quality_guard", old)
+    monkeypatch.setattr(quality, "precision_changes_the_draw", lambda: True)
+    with pytest.raises(AutotuneError, match=r"^study s was measured before autotune drew every config's starting noise "
+                                            r"in float32: .* start a new study \(--study-name\)$"):
+        study.tune(replace(req, trials=3), measure=measure)
 
 
 def test_seeds_keep_their_settings_in_float32_where_bfloat16_ran_slow(tmp_path):
