@@ -91,8 +91,10 @@ _forkserver = None
 def _fork_context(log_dir: Path):
     global _forkserver
     if _forkserver is None:
-        # The server starts on the first trial and inherits this environment.
-        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        # The server starts on the first trial and inherits this environment: CUDA's numbering
+        # as NVML's (PCI bus order), as spawned trials get it, whatever order the user's shell set
+        # (a faster GPU listed first would be measured as another's index; helper-17)
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         os.environ.setdefault("AUTOTUNE_FORKSERVER_LOG", str(log_dir / "forkserver.log"))
         _forkserver = multiprocessing.get_context("forkserver")
         _forkserver.set_forkserver_preload(["autotune.preload"])

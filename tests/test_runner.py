@@ -190,6 +190,20 @@ def test_forked_trials_start_without_paying_the_imports(tmp_path):
     assert result["import_s"] < 0.5
 
 
+def test_the_fork_server_numbers_gpus_as_nvml_does_whatever_the_shell_set(tmp_path):
+    """Spawned trials get CUDA_DEVICE_ORDER=PCI_BUS_ID (NVML's order); the fork server kept a
+    FASTEST_FIRST set in the shell, and its trials' cuda:N could be another GPU than NVML's N."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import pathlib, os; from autotune import runner; runner._fork_context(pathlib.Path(os.environ['LOGS'])); "
+            "print(os.environ['CUDA_DEVICE_ORDER'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "CUDA_DEVICE_ORDER": "FASTEST_FIRST", "LOGS": str(tmp_path)}).stdout
+    assert out.strip() == "PCI_BUS_ID"
+
+
 def test_a_trial_far_slower_than_the_bound_stops_after_its_first_warm_call(tmp_path):
     runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")  # server up
     cut = runner.run_trial(request(repeats=3, cut_above_s=0.0), tmp_path / "cut", timeout_s=300, launcher="fork")
