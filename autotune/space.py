@@ -74,8 +74,9 @@ class SearchSpace:
         """A space file, or a shipped space by its name (`--space sdxl.yaml`, as `extends:` takes
         it) where no such file is found."""
         path = Path(path)
-        if not path.exists() and path.name == str(path) and path.name in shipped_names():
-            path = SHIPPED_DIR / path.name
+        named = f"{path.name}.yaml" if path.suffix not in (".yaml", ".yml") else path.name  # `--space sd15` too
+        if not path.exists() and path.name == str(path) and named in shipped_names():
+            path = SHIPPED_DIR / named
         elif not path.exists():
             raise SpaceError(f"search space {path}: no such file (a space file's path, or the name of a shipped "
                              f"space: {', '.join(shipped_names())})")

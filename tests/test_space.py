@@ -218,6 +218,7 @@ def test_a_shipped_space_is_found_by_its_name_where_no_such_file_is_here(tmp_pat
     such file" anywhere but inside the installed package's folder."""
     monkeypatch.chdir(tmp_path)
     assert SearchSpace.from_file("sdxl.yaml").source == str(SHIPPED_DIR / "sdxl.yaml")
+    assert SearchSpace.from_file("tiny-base").source == str(SHIPPED_DIR / "tiny-base.yaml")  # the bare name too
     (tmp_path / "sdxl.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\n")  # a file here comes first
     assert SearchSpace.from_file("sdxl.yaml").source == "sdxl.yaml"
     with pytest.raises(SpaceError, match=r"^search space missing.yaml: no such file \(a space file's path, or the "
