@@ -296,6 +296,9 @@ def is_sqlite_file(text: str) -> bool:
         return False
 
 
+JOURNAL_START = b'{"op_code":'  # the first line of every journal: the operation that created a study
+
+
 def is_journal_file(text: str) -> bool:
     """A path that names a file Optuna's journal storage wrote: JSON lines, an operation each."""
     try:
@@ -303,9 +306,6 @@ def is_journal_file(text: str) -> bool:
             return f.read(len(JOURNAL_START)) == JOURNAL_START
     except OSError:
         return False
-
-
-JOURNAL_START = b'{"op_code":'  # the first line of every journal: the operation that created a study
 
 
 def as_storage_url(text: str) -> str:

@@ -438,6 +438,13 @@ def _holder_gone(frozen: optuna.trial.FrozenTrial) -> bool:
     return storages.is_gone(frozen.user_attrs.get(PROCESS), frozen.number)
 
 
+def _marked(frozen: optuna.trial.FrozenTrial) -> bool:
+    """Whether a worker marked this trial its own (PROCESS, written for this trial number: a retry
+    copies its dead trial's mark). None marks it too: written where /proc could not tell."""
+    holder = frozen.user_attrs.get(PROCESS, "none")
+    return holder is None or storages.written_for(holder, frozen.number)
+
+
 # (storage, trial id): when this process first saw that trial running, unmarked
 _UNMARKED_SINCE: dict[tuple, float] = {}
 
@@ -450,9 +457,8 @@ def _never_held(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> bool:
     Left running, it held every later confirmation phase waiting (helper-12). Timed on this
     process's own clock: the trial's start is dated by its worker's, which another machine's
     need not agree with (helper-14)."""
-    holder = frozen.user_attrs.get(PROCESS, "none")
     key = (getattr(study._storage, "url", None) or id(study._storage), frozen._trial_id)  # RDB storages have a URL
-    if holder is None or storages.written_for(holder, frozen.number):  # None: marked where /proc could not tell
+    if _marked(frozen):
         _UNMARKED_SINCE.pop(key, None)
         return False
     first_seen = _UNMARKED_SINCE.setdefault(key, time.monotonic())
@@ -463,8 +469,7 @@ def _unmarked_since_start(frozen: optuna.trial.FrozenTrial) -> bool:
     """_never_held for a one-shot reader (export, report), which cannot watch a trial for GRACE_S:
     unmarked GRACE_S after its start, by this machine's clock (its worker's date, which another
     machine's clock may put off by its skew: only what is said of it depends on this)."""
-    holder = frozen.user_attrs.get(PROCESS, "none")
-    if holder is None or storages.written_for(holder, frozen.number) or frozen.datetime_start is None:
+    if _marked(frozen) or frozen.datetime_start is None:
         return False
     return (datetime.datetime.now() - frozen.datetime_start).total_seconds() >= storages.GRACE_S
 
