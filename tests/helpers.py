@@ -33,9 +33,9 @@ def generate(pipe, family: str, steps: int = 2):
     return out.images
 
 
-def run_cli(*args, cwd=None, timeout=600):
-    """`autotune ARGS` as a user runs it: a real child process."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_cli(*args, cwd=None, timeout=600, env=None):
+    """`autotune ARGS` as a user runs it: a real child process (`env`: variables added to ours)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "autotune", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,

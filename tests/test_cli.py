@@ -642,17 +642,22 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
     by_number = {t.number: t for t in trials}
     for point in [profile["best"], *profile["pareto"]]:
         if str(point["trial"]) in confirmed:
-            # the median of its trials, or of those timed without other processes' work where any was
+            # the median of its trials timed without other processes' work, or where none was,
+            # of the two others took the fewest cores from (this suite's other worker, say)
             runs = [by_number[point["trial"]].user_attrs["result"], *confirmed[str(point["trial"])]]
-            quiet = [r["latency_s"] for r in runs if busy_cores(r) is None]
-            assert len(point["latencies_s"]) == sum(r.get("latency_s") is not None for r in runs)
-            assert point["latency_s"] == statistics.median(quiet or point["latencies_s"])
+            timed = [r for r in runs if r.get("latency_s") is not None]
+            assert len(point["latencies_s"]) == len(timed)
+            quiet = ([r for r in timed if busy_cores(r) is None]
+                     or sorted(timed, key=lambda r: r.get("cores_taken_by_others") or 0)[:2])
+            assert point["latency_s"] == statistics.median(r["latency_s"] for r in quiet)
     assert profile["pareto"] and profile["pareto"][0]["peak_memory_bytes"] <= 8 * 2**30
 
-    # The same command with more trials continues the same study.
-    proc = cli(*args, "--trials", "4")
+    # The same command with more trials continues the same study; its progress bar (drawn where
+    # rich takes stdout for an interactive terminal) counts from the 3 measured configs it holds
+    proc = cli(*args, "--trials", "4", env={"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert len(study_trials(tmp_path)) == 4
+    assert "3/4" in proc.stdout and "4/4" in proc.stdout
     assert re.search(r"study \S+ exists in this storage: its 3 measured trials kept, the search goes on", proc.stdout)
 
     shown = cli("show", "tiny-sd15-8GB.yaml")
