@@ -1147,10 +1147,11 @@ def _list_studies(backend, storage: str) -> None:
     from .console import count
     from .errors import AutotuneError
     from .sizes import format_size
-    from .study import request_of, summarize
+    from .study import request_of, settings_that_differ, summarize
 
     summaries = optuna.get_all_study_summaries(backend, include_best_trial=False)
     print(f"studies in {display_url(storage)}:" if summaries else f"no study in {display_url(storage)}")
+    listed = {}  # default name less its digest -> (name, request) of the first study listed with it
     for summary in summaries:
         study = optuna.load_study(study_name=summary.study_name, storage=backend)
         try:  # as export reads it: a study listed as autotune's is one export writes a profile of
@@ -1160,6 +1161,18 @@ def _list_studies(backend, storage: str) -> None:
         else:
             what = (f"{request.spec.name}, {request.target.device}, budget {format_size(request.budget_bytes)}, "
                     f"{count(summarize(study).counts['trials'], 'trial')} measured")
+            ended = [t.datetime_complete for t in study.get_trials(deepcopy=False) if t.datetime_complete]
+            if ended:
+                what += f", last trial {max(ended):%Y-%m-%d %H:%M}"
+            # default names that differ only by their digest say the same model, size and
+            # budget: say what else differs (an update's new shipped space, a --space, a --margin)
+            prefix, _, digest = summary.study_name.rpartition("-")
+            if re.fullmatch("[0-9a-f]{8}", digest):
+                first = listed.setdefault(prefix, (summary.study_name, study.user_attrs["request"]))
+                if first[0] != summary.study_name:
+                    # forbid rules: in the digest, not in a stored request
+                    differs = settings_that_differ(first[1], study.user_attrs["request"]) or "its forbid rules"
+                    what += f"; differs from {first[0]} in {differs}"
         print(f"  {summary.study_name}  ({what})")
 
 

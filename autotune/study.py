@@ -850,6 +850,26 @@ def _fields_difference(key: str, held: dict, asked: dict) -> str:
                      for field in sorted(set(held) | set(asked), key=str) if held.get(field) != asked.get(field))
 
 
+def settings_that_differ(one: dict, other: dict) -> str:
+    """The names of what differs, of what a study's measurements mean (DEFINING), between two
+    stored requests (as _request_attr writes them), for a listing of studies side by side:
+    "margin, the search space's attention, dtype"; "" when nothing does."""
+    mine, theirs = _defining(one), _defining(other)
+    names = []
+    for k in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(k), theirs.get(k)
+        if a == b:
+            continue
+        if k == "space" and isinstance(a, dict) and isinstance(b, dict):
+            changed = sorted(set(a) ^ set(b) | {d for d in set(a) & set(b) if a[d] != b[d]})
+            names.append(f"the search space's {', '.join(changed)}")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            names += [f"{k} {field}" for field in sorted(set(a) | set(b), key=str) if a.get(field) != b.get(field)]
+        else:
+            names.append(k.removesuffix("_bytes"))
+    return ", ".join(names)
+
+
 def differences_from(study: optuna.Study, req: TuneRequest) -> str:
     """request_differences between what `study` was measured under and `req`."""
     return request_differences(study.user_attrs.get("request") or {}, _request_attr(req))
