@@ -1036,9 +1036,13 @@ def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, create
         study.enqueue_trial(space.params(config), user_attrs={"warm_start": True}, skip_if_exists=True)
     if req.warm_start:  # said: nothing else on the console tells a warm-started trial apart
         left = len(req.warm_start) - len(warm)
-        on_step(f"warm start: {count(len(warm), 'config')} of the earlier front measured first, after the "
-                "baseline (unless measured already)" + (f"; {left} left out: the baseline, forbidden here, "
-                                                         "or the same once reduced to this space" if left else ""))
+        # a resumed study that holds --trials measured already measures none of them
+        full = len(_measured(study.get_trials(deepcopy=False))) >= req.trials > 0
+        when = (f"queued, but not measured: the study holds --trials {req.trials} measured (a higher --trials "
+                "measures them first)" if full else "measured first, after the baseline (unless measured already)")
+        on_step(f"warm start: {count(len(warm), 'config')} of the earlier front {when}"
+                + (f"; {left} left out: the baseline, forbidden here, or the same once reduced to this space"
+                   if left else ""))
     return warm
 
 

@@ -420,6 +420,20 @@ def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_pa
                        "to this space")
 
 
+def test_a_warm_start_given_to_a_study_that_holds_its_trials_is_said_queued_not_measured(tmp_path):
+    space = SearchSpace(SPACE)
+    measure, measured = fake_measure(lambda c: 1.0)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
+    said = []
+    warm_start = [{"dtype": "float16", "channels_last": True}]
+    outcome = study.tune(request(space, tmp_path, trials=2, storage=storage, warm_start=warm_start),
+                         measure=measure, on_step=said.append)
+    assert len(outcome.records) == 2  # nothing more measured
+    assert said[1] == ("warm start: 1 config of the earlier front queued, but not measured: the study holds "
+                       "--trials 2 measured (a higher --trials measures them first)"), said
+
+
 def test_a_study_refuses_a_worker_on_another_device_model(tmp_path):
     import pytest
 
