@@ -1082,6 +1082,7 @@ def _calibrate(study: optuna.Study, req: TuneRequest, measure: Measure, on_step:
         calibration = reference_calls(req, measure, threshold=guard is None, time_bfloat16=seeds_in_bfloat16)
         _say_if_busy(calibration, on_step)
         if guard is None:
+            _say_if_weak(calibration, on_step)
             study.set_user_attr("quality_guard", calibration)
         return calibration
     if seeds_in_bfloat16 and not kept.get("bfloat16_call_s"):
@@ -1113,6 +1114,24 @@ def _guard_of_the_old_noise(study: optuna.Study, guard: dict) -> dict:
     guard = {**guard, "noise": quality.NOISE}
     study.set_user_attr("quality_guard", guard)
     return guard
+
+
+def _say_if_weak(calibration: dict, on_step: Callable[[str], None]) -> None:
+    """A line where bfloat16 alone scored so low against float32 that the "auto" guard calibrated
+    on it lets most changes through: a scheduler that adds noise at each step (ancestral, SDE)
+    draws it in the pipeline's dtype, which torch < 2.13 draws as other values per precision
+    (27 dB on tiny-sd15 with EulerAncestral at 4 steps on torch 2.11, against 47 dB on 2.13).
+    workload.initial_noise mends the starting noise only: the steps' draws are the scheduler's."""
+    import torch
+
+    scored = calibration.get("bfloat16_psnr_db")
+    if scored is None or scored >= quality.WEAK_BFLOAT16_DB:
+        return
+    why = (f"; with this torch ({torch.__version__}) a scheduler that adds noise at each step (ancestral, SDE) "
+           "draws other noise in each precision" if quality.precision_changes_the_draw() else "")
+    on_step(f"  bfloat16 alone scored {scored:.1f} dB against float32, so the auto guard "
+            f"({calibration['min_psnr_db']:.1f} dB) lets through what changes the image as much{why}; "
+            "--min-psnr DB sets the guard by hand")
 
 
 def _say_if_busy(calibration: dict, on_step: Callable[[str], None]) -> None:

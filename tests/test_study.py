@@ -2175,3 +2175,25 @@ def test_a_study_whose_stored_request_was_edited_out_of_shape_is_refused_by_name
     assert proc.returncode == 1 and not (tmp_path / "p.yaml").exists()
     assert proc.stderr.strip() == f"autotune: error: study s: its stored request is malformed: {message}" + (
         " (examples: 5%, 512MB, 0)" if key == "margin" else "")
+
+
+@pytest.mark.parametrize("offset, weak", [(0.01, False), (0.1, True)])
+def test_a_bfloat16_call_far_from_float32_says_the_auto_guard_is_weak(tmp_path, offset, weak):
+    # a scheduler that adds noise at each step drew it per precision on torch 2.11: bfloat16 at
+    # 27 dB, an auto guard of 21 dB, and nothing said (offset 0.1: 20.3 dB; 0.01: 40.3 dB)
+    image = np.linspace(0, 1, 8 * 8 * 3, dtype=np.float32).reshape(1, 8, 8, 3)
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        Path(req["output_path"]).parent.mkdir(parents=True, exist_ok=True)
+        np.save(req["output_path"], image + (offset if req["config"]["dtype"] == "bfloat16" else 0))
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB, "output": req["output_path"]}
+
+    said = []
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    study.tune(request(space, tmp_path, trials=1, min_psnr_db="auto"), measure=measure, on_step=said.append)
+    warned = [line for line in said if "bfloat16 alone scored" in line]
+    assert bool(warned) == weak, said
+    if weak:
+        assert warned[0].startswith("  bfloat16 alone scored 20.3 dB against float32, so the auto guard (14.3 dB) "
+                                    "lets through what changes the image as much")
+        assert warned[0].endswith("; --min-psnr DB sets the guard by hand")
