@@ -1097,8 +1097,9 @@ def plot_images(studies: list[StudyData]):
                         fontsize=7, transform=ax.transAxes, gid=f"unreadable:{s.label}:{path.name}")
             else:
                 ax.imshow(pixels, gid=f"image:{s.label}:{path.name}")
-            # wrapped to the image's width: a long configuration ran past the figure's edge
-            ax.set_title(f"{s.label}\n{textwrap.fill(caption, 44)}", fontsize=7)
+            # wrapped to the image's width: a long configuration ran past the figure's edge, and
+            # so may a label that holds the workload and the study's name
+            ax.set_title(f"{textwrap.fill(s.label, 56)}\n{textwrap.fill(caption, 44)}", fontsize=7)
     fig.suptitle("Output images of the chosen configurations (fixed seed)")
     return fig
 

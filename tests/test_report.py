@@ -312,6 +312,12 @@ def test_images_are_shown_where_kept_relative_or_absolute_and_missing_ones_are_s
     fig = report.plot_images([study])
     shown = [im for ax in fig.axes for im in ax.images]
     assert len(shown) == 2 and shown[1].get_array()[0, 0].tolist() == [255, 0, 0]
+    # a label holding a workload and a study's name stays inside the figure, wrapped
+    study.label = "tiny-sd15 8GB cpu 1024x768 30 steps batch 2 [tiny-sd15-cpu-8GB-1024x768-30s-b2-0123abcd]"
+    fig = report.plot_images([study])
+    fig.canvas.draw()
+    titles = [ax.title for ax in fig.axes if ax.images]
+    assert all(fig.bbox.x0 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= fig.bbox.x1 for t in titles)
 
     # Failure classes on the timeline, and a study without images is no error.
     timeline = report.plot_timeline([study])
