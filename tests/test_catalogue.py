@@ -542,8 +542,21 @@ def test_cuda_attention_choices_are_dropped_on_the_cpu_with_reasons():
     assert xformers_said(reason("attention", "xformers", cuda("sd15")))
 
 
+# what xformers 0.0.35 records when its library was built for another torch (its _cpp_lib.py)
+INVALID_LIB = """
+class _BuildInfo:
+    torch_version = "2.10.0+cu128"
+class xFormersInvalidLibException(Exception):
+    def __init__(self, build_info):
+        self.build_info = build_info
+_build_metadata = None
+_cpp_library_load_exception = xFormersInvalidLibException(_BuildInfo())
+"""
+
+
 @pytest.mark.parametrize("cpp_lib, usable", [
     ("_cpp_library_load_exception = OSError('undefined symbol')\n_has_cpp_library = False\n", False),
+    (INVALID_LIB, False),
     # a build that compiles nothing and takes its kernels from another package: usable
     ("_cpp_library_load_exception = None\n_has_cpp_library = False\n", True),
     (None, True),  # a layout without the private module: taken as usable
@@ -564,6 +577,8 @@ def test_xformers_is_dropped_only_when_its_kernels_failed_to_load(tmp_path, monk
     assert (why is None) == usable, why
     if not usable:
         assert "xFormers 0.0.99 has no CUDA kernels that load with torch" in why
+        # the torch it was built for, where it says (helper-22: read from an attribute it lacks)
+        assert why.endswith(" (built for torch 2.10.0+cu128)") == (cpp_lib == INVALID_LIB), why
 
 
 def test_dispatcher_backends_are_flux_only_and_need_their_packages():

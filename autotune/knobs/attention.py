@@ -212,7 +212,7 @@ def _xformers_unusable() -> str | None:
         return None
     failure = getattr(_cpp_lib, "_cpp_library_load_exception", None)
     if failure is not None:
-        build = getattr(_cpp_lib, "_build_metadata", None) or getattr(failure, "build_metadata", None)
+        build = getattr(failure, "build_info", None)  # xFormersInvalidLibException's record of its build
         built_for = f" (built for torch {build.torch_version})" if build else ""
         return f"xFormers {xformers.__version__} has no CUDA kernels that load with torch {torch.__version__}{built_for}"
     return None
