@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 from importlib import metadata
 
 import psutil
@@ -48,8 +49,14 @@ def device_index(device: str) -> int:
 
 def _nvml_id(device: str) -> int | str:
     """NVML's name for torch's `device`: its index among every GPU of the machine, or the UUID
-    that CUDA_VISIBLE_DEVICES names it by (GPU-..., MIG-...)."""
+    that CUDA_VISIBLE_DEVICES names it by (GPU-..., MIG-...). Trials run with CUDA_DEVICE_ORDER=
+    PCI_BUS_ID, NVML's order; a serving process that has started CUDA in CUDA's default order
+    (fastest first) is asked for the GPU's UUID instead, which names one GPU for both."""
     index = device_index(device)
+    torch = sys.modules.get("torch")  # never imported, nor CUDA started, here: the tuning parent forks
+    if (os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and torch is not None
+            and torch.cuda.is_initialized()):
+        return str(torch.cuda.get_device_properties(index).uuid)
     ids = visible_gpus()
     if ids and index < len(ids):
         return int(ids[index]) if ids[index].isdigit() else ids[index]

@@ -746,6 +746,26 @@ def test_gpu_numbering_follows_cuda_visible_devices(monkeypatch):
     assert fingerprint.visible_gpus() == []  # no GPU visible at all
 
 
+def test_a_serving_process_that_started_cuda_in_its_own_order_is_asked_for_the_gpus_uuid(monkeypatch):
+    # CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID (as trials run); NVML
+    # by PCI bus: on a machine of mixed GPUs, cuda:1 there and NVML's 1 were different GPUs
+    # (helper-22). There is no CUDA here: torch's answers stand in for a driver's.
+    import torch
+
+    class Properties:
+        uuid = "8a1f0c2e-0000-1111-2222-333344445555"
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties())
+    assert fingerprint._nvml_id("cuda:1") == 1  # CUDA not started: no CUDA context made here
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fingerprint._nvml_id("cuda:1") == Properties.uuid and asked == [1]
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # NVML's order: its index
+    assert fingerprint._nvml_id("cuda:1") == 1 and asked == [1]
+
+
 # ---- writing: the mode, and one-line errors ------------------------------------------------------
 @pytest.fixture
 def umask():
