@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -62,7 +63,9 @@ def default_launcher(device: str) -> str:
 
 
 class _Spawned:
-    def __init__(self, request_path: Path, result_path: Path, log_path: Path):
+    server_died = False  # no server between this parent and its child
+
+    def __init__(self, request_path: Path, result_path: Path, log_path: Path, tick=None, tick_every_s=1.0):
         env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -101,18 +104,72 @@ def _fork_context(log_dir: Path):
     return _forkserver
 
 
+@contextlib.contextmanager
+def _ticking(tick, tick_every_s: float):
+    """`tick` called every `tick_every_s` from a thread while the block runs: a forked trial's
+    start waits for its fork server's imports (seconds; a minute on a loaded machine), and a
+    shared study's other workers fail a trial whose heartbeat is storages.GRACE_S old (helper-21:
+    no tick ran there). Heartbeats from a thread, as Optuna's own heartbeat thread records them."""
+    if tick is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(tick_every_s):
+            tick()
+
+    beating = threading.Thread(target=beat, name="autotune-trial-start-heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beating.join()
+
+
+FORK_ATTEMPTS = 3  # starts of a forked trial where its server dies under it
+
+
 class _Forked:
-    def __init__(self, request_path: Path, result_path: Path, log_path: Path):
-        self.proc = _fork_context(log_path.parent.parent).Process(
-            target=worker.forked_main, args=(str(request_path), str(result_path), str(log_path), worker.this_process()),
-            daemon=False
-        )
-        self.proc.start()
+    def __init__(self, request_path: Path, result_path: Path, log_path: Path, tick=None, tick_every_s=1.0):
+        context = _fork_context(log_path.parent.parent)
+        for attempt in range(FORK_ATTEMPTS):
+            self.proc = context.Process(
+                target=worker.forked_main, daemon=False,
+                args=(str(request_path), str(result_path), str(log_path), worker.this_process()))
+            try:
+                with _ticking(tick, tick_every_s):  # blocks until the server has imported
+                    self.proc.start()
+                break
+            except (EOFError, OSError):
+                # the server died, and was still dying when ensure_running looked: it starts
+                # another once it sees this one gone
+                if attempt == FORK_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5)
         self.pid = self.proc.pid
+        try:
+            self._created = psutil.Process(self.pid).create_time()
+        except psutil.Error:
+            self._created = None  # ended already
+        self.server_died = False
 
     def wait(self, timeout: float) -> int | None:
         self.proc.join(timeout)
-        return self.proc.exitcode
+        code = self.proc.exitcode
+        if code is not None and self._running():
+            # The fork server reports its children's exits: where it died, multiprocessing says
+            # 255 while the trial runs on, orphaned (helper-21)
+            self.server_died = True
+        return code
+
+    def _running(self) -> bool:
+        try:
+            child = psutil.Process(self.pid)
+            return child.create_time() == self._created and child.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def close(self):
         self.proc.close()
@@ -128,6 +185,28 @@ def _kill_group(child) -> None:
     except ProcessLookupError:
         pass
     child.wait(None)
+
+
+def _kill_leftovers(child) -> None:
+    """After the trial's process ended (or was reported ended): what it started and left behind
+    (a shell, a compile worker), and the trial itself where its fork server died, go with its
+    process group (helper-21: both ran on). The group only: the ended process's own pid may be
+    free for another process by now."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it
+
+
+def signal_name(number: int) -> str:
+    """SIGKILL, SIGSEGV, ...; a real-time signal (signal.Signals names only its ends) as SIGRTMIN+N."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        rtmin = getattr(signal, "SIGRTMIN", None)
+        if rtmin is not None and rtmin < number < signal.SIGRTMAX:
+            return f"SIGRTMIN+{number - rtmin}"
+        return f"signal {number}"
 
 
 def _log_tail(path: Path, chars: int = 2000) -> str:
@@ -166,8 +245,8 @@ def run_trial(
     )
     request_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
-    started = time.perf_counter()
-    child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path)
+    started = time.perf_counter()  # the trial's wall time counts its process's start
+    child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path, tick, tick_every_s)
 
     def killed(status: str, error: str, **extra) -> dict:
         _kill_group(child)
@@ -176,8 +255,10 @@ def run_trial(
 
     written_at = None  # when result.json was first seen, the child still running
     try:
-        deadline = started + timeout_s
-        next_tick = started + tick_every_s
+        # --trial-timeout from the child's start: the fork server's own start (its imports) is
+        # not the trial's, and a first trial timed out before its process began (helper-21)
+        deadline = time.perf_counter() + timeout_s
+        next_tick = time.perf_counter() + tick_every_s
         while True:
             # never past the deadline: a --trial-timeout under one tick is held too
             returncode = child.wait(max(0.0, min(GUARD_EVERY_S, deadline - time.perf_counter())))
@@ -212,6 +293,7 @@ def run_trial(
                 next_tick += tick_every_s
             if time.perf_counter() >= deadline:
                 return killed(worker.TIMEOUT, f"no result after {timeout_s:g} s (--trial-timeout); killed")
+        _kill_leftovers(child)
     except BaseException:
         _kill_group(child)
         raise
@@ -220,8 +302,11 @@ def run_trial(
     wall_s = time.perf_counter() - started
     if result_path.exists():
         result = json.loads(result_path.read_text())
+    elif child.server_died:
+        result = {"status": worker.CRASHED, "error": "the fork server that started the trial died while it ran "
+                  "(killed by hand, or by the kernel's out-of-memory killer?); the trial was stopped"}
     elif returncode < 0:
-        name = signal.Signals(-returncode).name
+        name = signal_name(-returncode)
         hint = " (the kernel's OOM killer sends this when host memory runs out)" if name == "SIGKILL" else ""
         result = {"status": worker.CRASHED, "signal": name, "error": f"killed by {name}{hint}"}
     else:

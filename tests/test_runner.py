@@ -146,16 +146,82 @@ def _leads_its_group(process) -> bool:
 
 
 @LAUNCHERS
-def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path, launcher):
+@pytest.mark.parametrize("signum, name", [(signal.SIGSEGV, "SIGSEGV"), (signal.SIGRTMIN + 5, "SIGRTMIN+5")])
+def test_a_child_killed_by_a_signal_is_classified_crashed(tmp_path, launcher, signum, name):
+    # a real-time signal (which signal.Signals does not name) stopped the study with a ValueError,
+    # its trial left running (helper-21)
     def crash_trials():
         for child in trial_processes():
-            child.send_signal(signal.SIGSEGV)
+            child.send_signal(signum)
 
     result = runner.run_trial(
         request(), tmp_path / "t", timeout_s=300, tick=crash_trials, tick_every_s=0.5, launcher=launcher
     )
     assert result["status"] == worker.CRASHED
-    assert result["signal"] == "SIGSEGV"
+    assert result["signal"] == name and result["error"] == f"killed by {name}"
+
+
+def test_what_a_trial_started_and_left_running_ends_with_it(tmp_path, monkeypatch):
+    """A trial that exits on its own left what it had started running (a shell, a compile
+    worker): only a timeout killed its process group (helper-21). A real child whose interpreter
+    starts a `sleep` as it starts (a sitecustomize on its PYTHONPATH), in its process group."""
+    site = tmp_path / "site"
+    site.mkdir()
+    pid_file = tmp_path / "sleep.pid"
+    (site / "sitecustomize.py").write_text(
+        f"import subprocess\nopen({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '300']).pid))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="spawn")
+    assert result["status"] == worker.OK
+    left = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(left) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(left)
+
+
+def test_a_trial_whose_fork_server_dies_is_stopped_and_said_so_and_the_next_one_runs(tmp_path):
+    """multiprocessing reports exit code 255 for a forked process whose server died, while it runs
+    on, orphaned: recorded "exited with code 255", it went on measuring beside the next trial
+    (helper-21). Stopped now, with its cause; the next trial starts a new server."""
+    from multiprocessing import forkserver
+
+    runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")  # the server up
+    server = forkserver._forkserver._forkserver_pid
+    running = []
+
+    def kill_the_server():
+        trials = trial_processes()
+        if trials and not running:
+            running.extend(trials)
+            os.kill(server, signal.SIGKILL)
+
+    spec = resolve_model("tiny-sd15")
+    slow = worker.trial_request(spec, {}, dataclasses.replace(spec.default_workload, steps=200), "cpu")
+    result = runner.run_trial(slow, tmp_path / "t", timeout_s=300, tick=kill_the_server, tick_every_s=0.5,
+                              launcher="fork")
+    assert result["status"] == worker.CRASHED
+    assert result["error"].startswith("the fork server that started the trial died while it ran"), result["error"]
+    deadline = time.monotonic() + 10
+    while not all(_gone(p.pid) for p in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running and all(_gone(p.pid) for p in running)
+    assert runner.run_trial(request(), tmp_path / "next", timeout_s=300, launcher="fork")["status"] == worker.OK
+
+
+def test_the_fork_servers_start_keeps_the_heartbeat(tmp_path):
+    """The server's start (its imports: seconds, a minute on a loaded machine) ran before the
+    trial's loop, without a heartbeat: another worker of a shared study took the trial for a dead
+    one's after storages.GRACE_S (helper-21)."""
+    from multiprocessing import forkserver
+
+    runner.run_trial(request(), tmp_path / "warm", timeout_s=300, launcher="fork")
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # the next trial starts another
+    before_the_trial = []
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="fork", tick_every_s=0.2,
+                              tick=lambda: before_the_trial.append(not (tmp_path / "t" / "worker.log").exists()))
+    assert result["status"] == worker.OK
+    assert any(before_the_trial), "no heartbeat while the fork server started"
 
 
 @LAUNCHERS
