@@ -1364,6 +1364,12 @@ def tune(
         if others and (len(done) + len(others) >= req.trials or len(settled | set(others)) >= n_configs):
             time.sleep(1.0)  # what is left is being measured by other workers: wait for it
             continue
+        if _confirmers(study):
+            # another worker measures its contenders again: its rounds are timed with no trial of
+            # ours beside them, as it waited for ours to end before it claimed (helper-21: one
+            # searched on beside the other's confirmations)
+            time.sleep(1.0)
+            continue
 
         repairing = _queue_a_repair(req, study, outcome)
         stale = trials_since_improvement(outcome.records)
@@ -1701,6 +1707,14 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             lost.append(True)  # failed as stale by another worker: it confirms now
 
     while not lost and not _past(deadline) and (slots := _unconfirmed(study, req.confirm_rounds)):
+        # A worker that read no claim a moment before this one claimed may have started a trial
+        # since: each round waits for such trials to end (searching workers wait for the claim)
+        while _in_flight(_running(study)) and not lost and not _past(deadline):
+            tick()
+            time.sleep(1.0)
+            _fail_stale_trials(study)
+        if lost or _past(deadline):
+            return
         record, round_, cut_above_s = slots[0]
         trial_dir = req.workdir / f"confirm-{record.number:05d}-{round_}"
         # no output kept: the trial's first output was assessed already

@@ -960,6 +960,29 @@ def test_a_claim_left_by_a_killed_confirmer_is_taken_over(tmp_path, monkeypatch)
     assert not [t for t in trials if t.state == TrialState.WAITING]  # no claim queued again as a trial
 
 
+def test_a_searching_worker_waits_while_another_confirms(tmp_path, monkeypatch):
+    """A worker searched on beside another's confirmation rounds, which were then timed beside its
+    trials (helper-21). It waits for the claim to end; the claim lost, it searches on."""
+    import optuna
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    study.tune(request(space, tmp_path, trials=1, storage=storage), measure=fake_measure(lambda c: 1.0)[0])
+    shared = optuna.load_study(study_name="s", storage=storages.open_storage(storage))
+    claim = study._claim_confirmation(shared)  # another worker of this machine, alive, confirming
+    monkeypatch.setattr(storages, "GRACE_S", 3.0)  # its heartbeat stops: stale after 3 s
+    claimed_at = time.monotonic()
+    measured_at = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        measured_at.append(time.monotonic())
+        return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB}
+
+    study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
+    assert measured_at and min(measured_at) - claimed_at >= 3.0  # not while the claim was held
+    assert shared._storage.get_trial(claim._trial_id).state == optuna.trial.TrialState.FAIL
+
+
 def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(tmp_path, monkeypatch):
     """Two workers draw the same config; the one with the higher trial number writes its key
     first, so the lower-numbered one is the one that sees the other: it must step back, or both
