@@ -49,7 +49,8 @@ from .workload import Workload
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
 PROCESS = "process"  # user attr: storages.this_process(number) of the worker holding a trial
-SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue
+SEEDS_QUEUED = "seeds_queued"  # a study attribute: its seeds are in its queue (True), or being queued
+SEEDS_QUEUEING = "queueing"  # its value while a run queues them: stopped there, the next run queues the rest
 QUEUED_AGAIN = "queued_again"  # user attr: a config queued again unmeasured (Ctrl-C, a model that did not load: _queue_again)
 MAX_UNMEASURED_IN_A_ROW = 50  # proposals measured already, forbidden or known not to fit: the space is spent
 MAX_TWINS_IN_A_ROW = 5  # then wait for the other worker's trial of that config to end
@@ -947,9 +948,10 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         warm = _queue_baseline_and_warm_start(study, req, created, on_step)
         # The seeds are queued once per study, by the run that finds them not queued yet: the one
         # that created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL)
-        # before it queued them. (A study of an autotune before the mark: its seed trials say so.)
-        seeds_pending = not study.user_attrs.get(SEEDS_QUEUED) and not any(
-            t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False))
+        # before it queued them all. (A study of an autotune before the mark: its seed trials say so.)
+        mark = study.user_attrs.get(SEEDS_QUEUED)
+        seeds_pending = mark is not True and (mark == SEEDS_QUEUEING or not any(
+            t.user_attrs.get("seed") for t in study.get_trials(deepcopy=False)))
         # Whether the seeds' precision depends on this machine: they ask for bfloat16 and float32
         # is a choice (machine_seeds). Then the float32 and bfloat16 calls are made whatever the guard.
         seeds_in_bfloat16 = seeds_pending and "float32" in req.space.choices_of("dtype") and any(
@@ -958,7 +960,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         # Seeds go in after the calibration, whose two calls say which precision is fast here. A
         # run stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates
         # and queues them. Read again: a worker on another machine may have queued them meanwhile.
-        if seeds_pending and not study.user_attrs.get(SEEDS_QUEUED):  # read from the storage
+        if seeds_pending and study.user_attrs.get(SEEDS_QUEUED) is not True:  # read from the storage
             _queue_seeds(study, req, calibration, warm)
     return study
 
@@ -1149,6 +1151,7 @@ def _queue_seeds(study: optuna.Study, req: TuneRequest, calibration: dict, warm:
     seeds, note = machine_seeds(req.space, calibration, req.budget_bytes - req.margin_bytes,
                                 cpu=not req.target.is_cuda)
     keys = {config_key(c) for c in warm}
+    study.set_user_attr(SEEDS_QUEUED, SEEDS_QUEUEING)  # stopped among them, a resume queues the rest
     for config in seeds:
         if config_key(config) not in keys:
             # skip_if_exists: two workers that both found them pending queue each once

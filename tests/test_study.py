@@ -161,6 +161,30 @@ def test_a_disturbed_trial_is_measured_twice_again_once_a_quiet_trial_has_been_s
     assert len(calls) == 2 + 4 + 2
 
 
+def test_a_run_stopped_while_it_queued_the_seeds_has_the_rest_queued_by_the_next(tmp_path, monkeypatch):
+    # the first seed queued marked them all queued: a Ctrl-C among them lost the others for good (helper-21)
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    seeds = [{"dtype": "bfloat16"}, {"dtype": "float16"}, {"dtype": "float16", "channels_last": True}]
+    space = SearchSpace(SPACE, seeds=seeds)
+    enqueue = optuna.Study.enqueue_trial
+
+    def stopped_at_the_second_seed(self, params, user_attrs=None, **kw):
+        if (user_attrs or {}).get("seed") and any(t.user_attrs.get("seed") for t in self.get_trials(deepcopy=False)):
+            raise KeyboardInterrupt
+        return enqueue(self, params, user_attrs=user_attrs, **kw)
+
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", stopped_at_the_second_seed)
+    measure, measured = fake_measure(lambda c: 1.0)
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(request(space, tmp_path, trials=5, confirm_rounds=0, storage=url), measure=measure)
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", enqueue)
+    study.tune(request(space, tmp_path, trials=5, confirm_rounds=0, storage=url), measure=measure)
+    # after the resumed run's reference calls (float32, bfloat16) and the baseline: the three seeds
+    assert measured[2:6] == [baseline()] + [{**baseline(), **seed} for seed in seeds]
+
+
 def test_a_failed_trial_is_no_sign_the_neighbour_left(tmp_path):
     # a failure records no cores taken: it switched second trials back on in a machine busy throughout
     calls = []
