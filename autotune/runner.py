@@ -245,6 +245,7 @@ def run_trial(
     )
     request_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
+    log_path.unlink(missing_ok=True)  # a forked child that dies before opening it: no earlier run's last line
     started = time.perf_counter()  # the trial's wall time counts its process's start
     child = {"fork": _Forked, "spawn": _Spawned}[launcher](request_path, result_path, log_path, tick, tick_every_s)
 
@@ -302,6 +303,12 @@ def run_trial(
     wall_s = time.perf_counter() - started
     if result_path.exists():
         result = json.loads(result_path.read_text())
+        failed = result.get(worker.HOST_ALLOCATION_FAILED)
+        if failed is not None and may_hold_bytes is not None and worker.OUT_OF_MEMORY_ON not in result:
+            # an allocation the machine refused inside the trial, judged as this loop judges its
+            # own stop: what it held and asked for within what it may hold, the machine's
+            held = (result.get("peak_memory_bytes") or 0) + failed
+            result.update(worker.host_memory_mark(request["device"], held, may_hold_bytes))
     elif child.server_died:
         result = {"status": worker.CRASHED, "error": "the fork server that started the trial died while it ran "
                   "(killed by hand, or by the kernel's out-of-memory killer?); the trial was stopped"}

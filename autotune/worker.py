@@ -75,7 +75,18 @@ def _host_memory_ran_out(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "can't allocate memory" in text or "cannot allocate memory" in text
 
 
+def _asked_bytes(exc: BaseException) -> int:
+    """What the allocation that failed asked for, where the error says (torch's CPU allocator:
+    "you tried to allocate N bytes"); else 0."""
+    asked = re.search(r"tried to allocate (\d+) bytes", str(exc))
+    return int(asked.group(1)) if asked else 0
+
+
 OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see ran_out_of_host_memory
+# In a result stopped by a host allocation that failed inside the trial (MemoryError, torch's CPU
+# allocator): the bytes it asked for (0: not said). On a CPU the runner judges it as it judges its
+# own host-memory stop: within what the trial may hold, the machine's; past it, the budget's.
+HOST_ALLOCATION_FAILED = "host_allocation_failed"
 # True in a CPU trial's result stopped because the machine's memory ran short while the trial held
 # less than its budget (runner.run_trial): other processes took the memory
 HELD_WITHIN_BUDGET = "held_within_budget"
@@ -276,6 +287,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
         result["status"] = classify(exc)
         if result["status"] == OUT_OF_MEMORY and _host_memory_ran_out(exc):
             result.update(host_memory_mark(device))
+            result[HOST_ALLOCATION_FAILED] = _asked_bytes(exc)  # judged by the runner, which knows the budget
         # autotune's own errors are written for the user already; a library's needs its type
         said = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
         result["error"] = f"{phase}: {said}".splitlines()[0][:500]

@@ -99,6 +99,23 @@ def test_a_cpu_trial_past_its_memory_stop_is_stopped_as_out_of_memory(tmp_path):
     assert result["peak_memory_bytes"] > 64 * 2**20 and not trial_processes()
 
 
+def test_an_allocation_the_machine_refuses_inside_a_cpu_trial_is_judged_by_what_it_asked(tmp_path):
+    """torch's CPU allocator refusing memory inside the trial was always the budget's verdict (a
+    config over it), where the runner's own host-memory stop tells the machine's shortage apart
+    (helper-21). A real refusal: starting noise for a batch of 10^11 (1.6 PB, refused at once)."""
+    spec = resolve_model("tiny-sd15")
+    huge = worker.trial_request(spec, {}, dataclasses.replace(spec.default_workload, batch_size=10**11), "cpu",
+                                threads=1)
+    within = runner.run_trial(huge, tmp_path / "within", timeout_s=300, launcher="fork", may_hold_bytes=2**60)
+    assert within["status"] == worker.OUT_OF_MEMORY and "can't allocate memory" in within["error"]
+    assert within[worker.HOST_ALLOCATION_FAILED] > 10**15
+    assert worker.machine_was_short(within) and not worker.ran_out_of_budgeted_memory(within)
+    past = runner.run_trial(huge, tmp_path / "past", timeout_s=300, launcher="fork", may_hold_bytes=2**30)
+    assert worker.ran_out_of_budgeted_memory(past) and not worker.machine_was_short(past)
+    assert past["peak_memory_bytes"] > past[worker.HOST_ALLOCATION_FAILED]  # what it held, and asked for
+    assert not trial_processes()
+
+
 PARENT = """
 import sys
 from dataclasses import replace

@@ -1511,6 +1511,8 @@ def test_a_reference_call_killed_once_is_made_again(tmp_path):
     guard = study.reference_calls(req, each_killed_once)
     assert calls == ["reference", "reference-again", "precision", "precision-again"]
     assert guard["float32_call_s"] == 1.0 and guard["bfloat16_psnr_db"] == pytest.approx(40.0, abs=0.1)
+    # the bfloat16 output, read for its PSNR, is not kept (helper-21); the reference is
+    assert not list(tmp_path.glob("precision*/output.npy")) and req.reference_path.exists()
 
     # a crash that is not a signal's (the child exited with an error code) is the call's own
     def exited(req: dict, trial_dir: Path, tick) -> dict:
