@@ -178,6 +178,8 @@ class TrialProgress:
             if r.get("cut_short"):
                 what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
+            if r.get("second_trial_stopped"):  # study.SECOND_TRIAL_STOPPED
+                what += " (its second trial, for the load beside it, was stopped by the interrupt: this one stands)"
             other = r.get("measured_twice")
             if other and other.get("latency_s") is not None:
                 what += (f" (measured twice: its first trial, {other['latency_s']:.3f} s, was timed while other "

@@ -1425,8 +1425,14 @@ def tune(
         unmeasured_in_a_row = 0
 
         fastest = min((r.latency_s for r in outcome.records if r.feasible), default=None)
-        result, measure_disturbed_again = _measure_trial(
-            req, study, trial, config, measure, fastest, deadline, min_psnr_db, measure_disturbed_again)
+        try:
+            result, measure_disturbed_again = _measure_trial(
+                req, study, trial, config, measure, fastest, deadline, min_psnr_db, measure_disturbed_again)
+        except KeyboardInterrupt:
+            told = study._storage.get_trial(trial._trial_id)
+            if on_trial and told.state == TrialState.COMPLETE:  # its first measurement stands: its line
+                on_trial(record_of(told, family=req.target.family))
+            raise
         if result is None or not _tell_measured(req, study, trial, result, min_psnr_db):
             continue  # given up as stale while it ran: another worker measures its config again
         measured_here += 1
@@ -1512,6 +1518,9 @@ def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: op
     return None
 
 
+SECOND_TRIAL_STOPPED = "second_trial_stopped"  # in a result: an interrupt stopped its second trial
+
+
 def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, config: Config, measure: Measure,
                    fastest: float | None, deadline: float | None, min_psnr_db: float | None,
                    measure_disturbed_again: bool) -> tuple[dict | None, bool]:
@@ -1540,8 +1549,8 @@ def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, c
     except KeyboardInterrupt:
         # The child is dead already (runner killed its group).
         if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
-            if result is not None:  # stopped in its second measurement: the first stands
-                _tell_measured(req, study, trial, result, min_psnr_db)
+            if result is not None:  # stopped in its second measurement: the first stands, said so
+                _tell_measured(req, study, trial, {**result, SECOND_TRIAL_STOPPED: True}, min_psnr_db)
             else:
                 study.tell(trial, state=TrialState.FAIL)
                 _queue_again(study, trial)

@@ -127,6 +127,32 @@ def test_a_contender_timed_under_load_gets_two_rounds_even_with_confirm_1(tmp_pa
     assert len(outcome.baseline.confirmations) == 1  # quiet: the rounds asked for
 
 
+def test_an_interrupt_in_a_second_trial_keeps_the_first_and_says_so(tmp_path):
+    # the first measurement was recorded, but its line never printed, and nothing said that its
+    # second trial never ran (helper-20)
+    seen = []
+
+    def measure(req: dict, trial_dir: Path, tick) -> dict:
+        if req["config"]["dtype"] == "float32":
+            return {"status": "ok", "latency_s": 0.75, "peak_memory_bytes": 800 * MiB}
+        if trial_dir.name == "again":
+            raise KeyboardInterrupt  # the runner killed the child's group: nothing comes back
+        return {"status": "ok", "latency_s": 8.4, "peak_memory_bytes": 700 * MiB, "cores_taken_by_others": 1.0}
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))], seeds=[{"dtype": "bfloat16"}])
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with pytest.raises(KeyboardInterrupt):
+        study.tune(request(space, tmp_path, trials=2, storage=url), measure=measure, on_trial=seen.append)
+    assert [r.config["dtype"] for r in seen] == ["float32", "bfloat16"]  # the second one's line too
+    assert seen[1].latency_s == 8.4 and seen[1].result[study.SECOND_TRIAL_STOPPED]
+    from autotune.console import TrialProgress, terminal
+
+    progress = TrialProgress(terminal(), 2)
+    with progress.out.capture() as captured:
+        progress.update(seen[1])
+    assert "(its second trial, for the load beside it, was stopped by the interrupt: this one stands)" in captured.get()
+
+
 def test_contenders_take_configs_timed_only_under_load_seeds_first_three_at_most():
     from autotune.study import StudyOutcome, TrialRecord, contenders
 
