@@ -117,7 +117,12 @@ def _ticking(tick, tick_every_s: float):
 
     def beat() -> None:
         while not stop.wait(tick_every_s):
-            tick()
+            try:
+                tick()
+            except Exception:
+                # a storage that did not answer this time, or a trial given up as stale: the
+                # trial's own loop ticks next and meets the same error where it is handled
+                pass
 
     beating = threading.Thread(target=beat, name="autotune-trial-start-heartbeat", daemon=True)
     beating.start()
@@ -144,7 +149,9 @@ class _Forked:
                 break
             except (EOFError, OSError):
                 # the server died, and was still dying when ensure_running looked: it starts
-                # another once it sees this one gone
+                # another once it sees this one gone. (A server that died between forking the
+                # trial and sending its pid, a window of microseconds, leaves that trial running
+                # unknown to this parent, beside the one started again.)
                 if attempt == FORK_ATTEMPTS - 1:
                     raise
                 time.sleep(0.5)
@@ -196,6 +203,11 @@ def _kill_leftovers(child) -> None:
         os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # nothing left in it
+    if child.server_died:
+        # forked, not yet leading its group (os.setsid) when its server died: itself too; its
+        # pid is its own, as _Forked._running has just matched its start time
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def signal_name(number: int) -> str:

@@ -40,6 +40,7 @@ from . import quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, simplest_within_noise
 from .console import config_changes, count, counts_text
 from .errors import AutotuneError, first_line
+from .fingerprint import is_device_name
 from .knobs import CATALOGUE, Config, Target, baseline, complete, conflict
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
@@ -626,6 +627,7 @@ class Settled(enum.Enum):
     BEING_MEASURED = "being measured by another worker"
     MEASURED = "measured already"
     KNOWN_NOT_TO_FIT = "known not to fit"
+    CONFIRMING = "left for another worker's confirmation rounds, and queued again"
 
 
 def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
@@ -640,6 +642,8 @@ def _why_not_measured(frozen: optuna.trial.FrozenTrial) -> str | None:
         return Settled.FORBIDDEN.value
     if "dominated_by" in attrs:
         return Settled.KNOWN_NOT_TO_FIT.value
+    if STEPPED_BACK in attrs:
+        return Settled.CONFIRMING.value
     if frozen.state == TrialState.FAIL and CONFIRMER not in attrs:
         return "stopped unfinished"  # Ctrl-C, a dead worker's, a model that did not load: queued again
     return None
@@ -915,6 +919,8 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
     try:
         if type(budget) is not int or not 0 < budget <= MAX_SIZE:
             raise ValueError(f"budget_bytes {budget!r:.40} is not a positive number of bytes")
+        if not is_device_name(req.target.device):  # the listing reads its type (helper-23: 0 was a traceback)
+            raise ValueError(f"device {req.target.device!r:.40} is not cpu, cuda or cuda:N")
         req.margin_bytes  # noqa: B018 (parses the margin)
     except ValueError as exc:
         raise AutotuneError(f"study {study.study_name}: its stored request is malformed: {exc}") from None
@@ -1422,6 +1428,15 @@ def tune(
         if settled_as:  # measured already, or known not to fit
             unmeasured_in_a_row += 1
             continue
+        if _confirmers(study):
+            # Another worker claimed the confirmation phase since the top of this pass. Its key
+            # written, this trial is in flight for a claim made later, whose rounds wait for it;
+            # read here, after the write, one of the two sees the other, as twins do. It steps
+            # back, its config queued to be measured first once the rounds are done.
+            trial.set_user_attr(STEPPED_BACK, True)
+            study.tell(trial, state=TrialState.FAIL)
+            _queue_again(study, trial)
+            continue
         unmeasured_in_a_row = 0
 
         fastest = min((r.latency_s for r in outcome.records if r.feasible), default=None)
@@ -1817,6 +1832,7 @@ def _rounds_done(entries: list[dict], rounds: int) -> int:
 
 
 CONFIRMER = "confirmer"  # user attr of the trial that holds a shared study's confirmation phase
+STEPPED_BACK = "stepped_back_for_confirmation"  # user attr of a trial that met another's claim
 WITHDRAWN = "withdrawn"  # user attr of a claim that lost the race to another worker's
 
 

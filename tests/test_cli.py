@@ -431,10 +431,12 @@ def test_export_without_a_study_name_lists_the_studies_it_could_export(cli, tmp_
     space = {"dtype": ["float32", "bfloat16"], "attention": ["sdpa", "sliced"]}
     first = request | {"margin_bytes": 2**20, "space": space}
     second = first | {"margin_bytes": 2**21, "space": {"dtype": ["float32", "bfloat16"]}}
-    for digest, stored in (("0123abcd", first), ("89abcdef", second), ("fedcba98", first)):
+    for digest, stored in (("0123abcd", first), ("89abcdef", second), ("fedcba98", first),
+                           ("00000000", first | {"device": 0})):  # edited: listed, not compared (helper-23)
         study = optuna.create_study(study_name=f"tiny-sd15-cpu-2GB-64x64-2s-b1-{digest}", storage=url)
         study.set_user_attr("request", stored)
-    study.add_trial(optuna.trial.create_trial(value=1.0))
+        if digest == "fedcba98":
+            study.add_trial(optuna.trial.create_trial(value=1.0))
     lines = cli("export", "--storage", "sqlite:///s.db").stdout.splitlines()[5:]
     assert lines[0] == "  tiny-sd15-cpu-2GB-64x64-2s-b1-0123abcd  (tiny-sd15, cpu, budget 2.00 GiB, 0 trials measured)"
     assert lines[1] == ("  tiny-sd15-cpu-2GB-64x64-2s-b1-89abcdef  (tiny-sd15, cpu, budget 2.00 GiB, 0 trials measured; "
@@ -443,6 +445,7 @@ def test_export_without_a_study_name_lists_the_studies_it_could_export(cli, tmp_
     assert re.fullmatch(r"  tiny-sd15-cpu-2GB-64x64-2s-b1-fedcba98  \(tiny-sd15, cpu, budget 2.00 GiB, 0 trials "
                         r"measured, last trial \d{4}-\d\d-\d\d \d\d:\d\d; differs from \S+-0123abcd in its forbid rules\)",
                         lines[2]), lines[2]
+    assert lines[3] == "  tiny-sd15-cpu-2GB-64x64-2s-b1-00000000  (0 trials, not one autotune can export)"
 
 
 @pytest.mark.parametrize("args, message", [

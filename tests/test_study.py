@@ -1019,9 +1019,9 @@ def test_a_searching_worker_waits_while_another_confirms(tmp_path, monkeypatch):
     storage = f"journal:{tmp_path / 'study.journal'}"
     study.tune(request(space, tmp_path, trials=1, storage=storage), measure=fake_measure(lambda c: 1.0)[0])
     shared = optuna.load_study(study_name="s", storage=storages.open_storage(storage))
+    claimed_at = time.monotonic()
     claim = study._claim_confirmation(shared)  # another worker of this machine, alive, confirming
     monkeypatch.setattr(storages, "GRACE_S", 3.0)  # its heartbeat stops: stale after 3 s
-    claimed_at = time.monotonic()
     measured_at = []
 
     def measure(req: dict, trial_dir: Path, tick) -> dict:
@@ -1031,6 +1031,36 @@ def test_a_searching_worker_waits_while_another_confirms(tmp_path, monkeypatch):
     study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
     assert measured_at and min(measured_at) - claimed_at >= 3.0  # not while the claim was held
     assert shared._storage.get_trial(claim._trial_id).state == optuna.trial.TrialState.FAIL
+
+
+def test_a_trial_that_meets_a_claim_made_after_its_check_steps_back_and_is_measured_after(tmp_path, monkeypatch):
+    """Another worker claimed the confirmation phase between this worker's check of the claims
+    and the write of its trial's key: the claim saw nothing in flight, and this trial was measured
+    beside its rounds (helper-23). Checked again after the write, the trial steps back."""
+    import optuna
+    from optuna.trial import TrialState
+
+    space = SearchSpace([Dimension("dtype", ("float32", "bfloat16"))])
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    settle = study._settle_without_measuring
+    claims = []
+
+    def a_claim_comes_in_meanwhile(space_, shared, trial, config, records):
+        settled = settle(space_, shared, trial, config, records)
+        if settled is None and trial.number == 1 and not claims:
+            claims.append(study._claim_confirmation(shared))  # a worker of this machine, alive
+        return settled
+
+    monkeypatch.setattr(study, "_settle_without_measuring", a_claim_comes_in_meanwhile)
+    monkeypatch.setattr(storages, "GRACE_S", 2.0)  # the claim's heartbeat stops: stale after 2 s
+    measure, measured = fake_measure(lambda c: 1.0)
+    outcome = study.tune(request(space, tmp_path, trials=2, storage=storage), measure=measure)
+    trials = optuna.load_study(study_name="s", storage=storages.open_storage(storage)).trials
+    stepped = [t for t in trials if t.user_attrs.get(study.STEPPED_BACK)]
+    assert [t.number for t in stepped] == [1] and stepped[0].state == TrialState.FAIL
+    assert claims[0] is not None and len(outcome.records) == 2  # its config measured after all
+    assert [r.config["dtype"] for r in outcome.records] == ["float32", "bfloat16"]
+    assert outcome.counts["not_measured"] == {study.Settled.CONFIRMING.value: 1}, outcome.counts
 
 
 def test_a_trial_steps_back_from_a_later_numbered_twin_that_wrote_its_key_first(tmp_path, monkeypatch):
