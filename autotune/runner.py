@@ -134,6 +134,7 @@ def _ticking(tick, tick_every_s: float):
 
 
 FORK_ATTEMPTS = 3  # starts of a forked trial where its server dies under it
+SERVER_DIED = "server_died"  # True in a result: its fork server died while it ran (not the config's doing)
 
 
 class _Forked:
@@ -322,8 +323,9 @@ def run_trial(
             held = (result.get("peak_memory_bytes") or 0) + failed
             result.update(worker.host_memory_mark(request["device"], held, may_hold_bytes))
     elif child.server_died:
-        result = {"status": worker.CRASHED, "error": "the fork server that started the trial died while it ran "
-                  "(killed by hand, or by the kernel's out-of-memory killer?); the trial was stopped"}
+        result = {"status": worker.CRASHED, SERVER_DIED: True,
+                  "error": "the fork server that started the trial died while it ran (killed by hand, or by "
+                           "the kernel's out-of-memory killer?); the trial was stopped"}
     elif returncode < 0:
         name = signal_name(-returncode)
         hint = " (the kernel's OOM killer sends this when host memory runs out)" if name == "SIGKILL" else ""
@@ -332,6 +334,9 @@ def run_trial(
         tail = _log_tail(log_path).strip().splitlines()
         last = tail[-1] if tail else ""
         result = {"status": worker.CRASHED, "error": f"exited with code {returncode}: {last}"}
+        if last.startswith("MemoryError"):  # raised outside the worker's handlers (while importing)
+            result["status"] = worker.OUT_OF_MEMORY
+            result.update(worker.host_memory_mark(request["device"], 0, may_hold_bytes))  # it held little yet
     result["wall_s"] = wall_s
     result["launcher"] = launcher
     result["log"] = str(log_path)

@@ -773,12 +773,12 @@ def reference_calls(req: TuneRequest, measure: Measure, threshold: bool = True,
 
 
 def _reference_call(measure: Measure, request: dict, trial_dir: Path) -> dict:
-    """One reference call, made once more (in trial_dir-again) when a signal killed it (the OOM
-    killer for another process, a kill by hand): a stray signal would otherwise stop an
-    unattended run for good, or set the "auto" threshold without its bfloat16 PSNR. A second
-    kill, or a crash that is not a signal's, is the call's own result."""
+    """One reference call, made once more (in trial_dir-again) when a signal killed it or its
+    fork server (the OOM killer for another process, a kill by hand): a stray signal would
+    otherwise stop an unattended run for good, or set the "auto" threshold without its bfloat16
+    PSNR. A second kill, or a crash that is not a signal's, is the call's own result."""
     result = measure(request, trial_dir, lambda: None)
-    if result["status"] != worker.CRASHED or not result.get("signal"):
+    if result["status"] != worker.CRASHED or not (result.get("signal") or result.get(runner.SERVER_DIED)):
         return result
     return measure(request, trial_dir.with_name(trial_dir.name + "-again"), lambda: None)
 

@@ -99,6 +99,24 @@ def test_a_cpu_trial_past_its_memory_stop_is_stopped_as_out_of_memory(tmp_path):
     assert result["peak_memory_bytes"] > 64 * 2**20 and not trial_processes()
 
 
+def test_host_memory_refused_while_the_trial_imports_is_out_of_memory_not_a_crash(tmp_path, monkeypatch):
+    # raised outside the worker's handlers, it read "crashed: exited with code 1: MemoryError" (helper-21).
+    # A real child whose `import torch` is refused (a finder on its sitecustomize's path).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise MemoryError\n"
+        "sys.meta_path.insert(0, Refuse())\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    result = runner.run_trial(request(), tmp_path / "t", timeout_s=300, launcher="spawn", may_hold_bytes=2**30)
+    assert result["status"] == worker.OUT_OF_MEMORY and result["error"].startswith("exited with code 1: MemoryError")
+    assert worker.machine_was_short(result)  # it held next to nothing: the machine was short
+
+
 def test_an_allocation_the_machine_refuses_inside_a_cpu_trial_is_judged_by_what_it_asked(tmp_path):
     """torch's CPU allocator refusing memory inside the trial was always the budget's verdict (a
     config over it), where the runner's own host-memory stop tells the machine's shortage apart
@@ -219,6 +237,7 @@ def test_a_trial_whose_fork_server_dies_is_stopped_and_said_so_and_the_next_one_
                               launcher="fork")
     assert result["status"] == worker.CRASHED
     assert result["error"].startswith("the fork server that started the trial died while it ran"), result["error"]
+    assert result[runner.SERVER_DIED]  # not the config's doing: a reference call is made again on it
     deadline = time.monotonic() + 10
     while not all(_gone(p.pid) for p in running) and time.monotonic() < deadline:
         time.sleep(0.1)

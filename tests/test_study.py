@@ -1570,6 +1570,18 @@ def test_a_reference_call_killed_once_is_made_again(tmp_path):
     # the bfloat16 output, read for its PSNR, is not kept (helper-21); the reference is
     assert not list(tmp_path.glob("precision*/output.npy")) and req.reference_path.exists()
 
+    # nor does a fork server killed under the call (runner.SERVER_DIED)
+    calls.clear()
+
+    def server_killed_once(req: dict, trial_dir: Path, tick) -> dict:
+        if not trial_dir.name.endswith("-again"):
+            calls.append(trial_dir.name)
+            return {"status": "crashed", "server_died": True, "error": "the fork server ... died"}
+        return each_killed_once(req, trial_dir, tick)  # which counts this call
+
+    study.reference_calls(req, server_killed_once, threshold=False)
+    assert calls == ["reference", "reference-again"]
+
     # a crash that is not a signal's (the child exited with an error code) is the call's own
     def exited(req: dict, trial_dir: Path, tick) -> dict:
         calls.append(trial_dir.name)
