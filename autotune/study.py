@@ -869,8 +869,7 @@ def settings_that_differ(one: dict, other: dict) -> str:
         if a == b:
             continue
         if k == "space" and isinstance(a, dict) and isinstance(b, dict):
-            changed = sorted(set(a) ^ set(b) | {d for d in set(a) & set(b) if a[d] != b[d]})
-            names.append(f"the search space's {', '.join(changed)}")
+            names.append(f"the search space's {', '.join(_knobs_searched_differently(a, b))}")
         elif isinstance(a, dict) and isinstance(b, dict):
             names += [f"{k} {field}" for field in sorted(set(a) | set(b), key=str) if a.get(field) != b.get(field)]
         else:
@@ -887,10 +886,14 @@ def _shown(key: str, value) -> str:
     return format_size(value) if key.endswith("_bytes") and isinstance(value, int) else str(value)
 
 
+def _knobs_searched_differently(held: dict, asked: dict) -> list[str]:
+    """The knobs two stored spaces (knob -> its choices and conditions) search differently."""
+    return sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
+
+
 def _space_difference(held: dict, asked: dict) -> str:
-    changed = sorted(set(held) ^ set(asked) | {k for k in set(held) & set(asked) if held[k] != asked[k]})
     # no guess at the cause: a --space of the user's, or an autotune update of the shipped spaces
-    return f"the search space: {', '.join(changed)} searched differently"
+    return f"the search space: {', '.join(_knobs_searched_differently(held, asked))} searched differently"
 
 
 def request_of(study: optuna.Study, storage: str) -> TuneRequest:
