@@ -1159,9 +1159,10 @@ def _list_studies(backend, storage: str) -> None:
         except AutotuneError:  # another tool's, an older autotune's, or a request edited out of shape
             what = f"{count(summary.n_trials, 'trial')}, not one autotune can export"
         else:
+            outcome = summarize(study)
             what = (f"{request.spec.name}, {request.target.device}, budget {format_size(request.budget_bytes)}, "
-                    f"{count(summarize(study).counts['trials'], 'trial')} measured")
-            ended = [t.datetime_complete for t in study.get_trials(deepcopy=False) if t.datetime_complete]
+                    f"{count(outcome.counts['trials'], 'trial')} measured")
+            ended = [t.datetime_complete for t in outcome.trials if t.datetime_complete]
             if ended:
                 what += f", last trial {max(ended):%Y-%m-%d %H:%M}"
             # default names that differ only by their digest say the same model, size and

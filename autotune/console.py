@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .sizes import format_size
-from .worker import OK, ran_out_of_host_memory
+from .worker import OK, SECOND_TRIAL_STOPPED, ran_out_of_host_memory
 
 # knobs (and torch with them) are imported where used: reports and notebooks import this module
 # for `count` alone.
@@ -178,7 +178,7 @@ class TrialProgress:
             if r.get("cut_short"):
                 what += f" (cut short: far slower than the best, {count(r.get('calls', 2), 'warm call')})"
             what += _busy_note(r)
-            if r.get("second_trial_stopped"):  # study.SECOND_TRIAL_STOPPED
+            if r.get(SECOND_TRIAL_STOPPED):
                 what += " (its second trial, for the load beside it, was stopped by the interrupt: this one stands)"
             other = r.get("measured_twice")
             if other and other.get("latency_s") is not None:

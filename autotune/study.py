@@ -1536,9 +1536,6 @@ def _settle_without_measuring(space: SearchSpace, study: optuna.Study, trial: op
     return None
 
 
-SECOND_TRIAL_STOPPED = "second_trial_stopped"  # in a result: an interrupt stopped its second trial
-
-
 def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, config: Config, measure: Measure,
                    fastest: float | None, deadline: float | None, min_psnr_db: float | None,
                    measure_disturbed_again: bool) -> tuple[dict | None, bool]:
@@ -1568,7 +1565,7 @@ def _measure_trial(req: TuneRequest, study: optuna.Study, trial: optuna.Trial, c
         # The child is dead already (runner killed its group).
         if storage.get_trial(trial._trial_id).state == TrialState.RUNNING:  # else: given up
             if result is not None:  # stopped in its second measurement: the first stands, said so
-                _tell_measured(req, study, trial, {**result, SECOND_TRIAL_STOPPED: True}, min_psnr_db)
+                _tell_measured(req, study, trial, {**result, worker.SECOND_TRIAL_STOPPED: True}, min_psnr_db)
             else:
                 study.tell(trial, state=TrialState.FAIL)
                 _queue_again(study, trial)

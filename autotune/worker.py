@@ -83,6 +83,9 @@ def _asked_bytes(exc: BaseException) -> int:
 
 
 OUT_OF_MEMORY_ON = "out_of_memory_on"  # "host" in a result: see ran_out_of_host_memory
+# True in a trial's result whose second measurement (for the load beside its first) an interrupt
+# stopped: the first stands (study._measure_trial), and its line says so (console)
+SECOND_TRIAL_STOPPED = "second_trial_stopped"
 # In a result stopped by a host allocation that failed inside the trial (MemoryError, torch's CPU
 # allocator): the bytes it asked for (0: not said). On a CPU the runner judges it as it judges its
 # own host-memory stop: within what the trial may hold, the machine's; past it, the budget's.

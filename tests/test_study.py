@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune import quality, storages, study
+from autotune import quality, storages, study, worker
 from autotune.errors import AutotuneError
 from autotune.knobs import Target, baseline
 from autotune.models import resolve_model
@@ -144,7 +144,7 @@ def test_an_interrupt_in_a_second_trial_keeps_the_first_and_says_so(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         study.tune(request(space, tmp_path, trials=2, storage=url), measure=measure, on_trial=seen.append)
     assert [r.config["dtype"] for r in seen] == ["float32", "bfloat16"]  # the second one's line too
-    assert seen[1].latency_s == 8.4 and seen[1].result[study.SECOND_TRIAL_STOPPED]
+    assert seen[1].latency_s == 8.4 and seen[1].result[worker.SECOND_TRIAL_STOPPED]
     from autotune.console import TrialProgress, terminal
 
     progress = TrialProgress(terminal(), 2)
