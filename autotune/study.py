@@ -1266,11 +1266,12 @@ def _less_disturbed(first: dict, second: dict) -> dict:
 
 def _queue_a_repair(req: TuneRequest, study: optuna.Study, outcome: StudyOutcome) -> bool:
     """Queue the next memory repair (repair.py) when nothing else waits to be measured (seeds and
-    an earlier study's configs go first) and repairs hold less than their share of the trials.
+    an earlier study's configs go first) and one more keeps repairs within their share of the trials
+    (at most 2 of --trials 5).
     `outcome`: the study as just read (summarize). Whether a repair waits to be measured (queued
     now or before)."""
     trials, records, waiting = outcome.trials, outcome.records, outcome.waiting
-    if waiting or not req.memory_repair or repair.count(trials) >= req.trials * repair.SHARE:
+    if waiting or not req.memory_repair or repair.count(trials) + 1 > req.trials * repair.SHARE:
         return any("repair" in t.user_attrs for t in waiting)
     running = {t.user_attrs.get("config_key") for t in trials if t.state == TrialState.RUNNING}
     found = repair.next_repair(records, running, req.space, req.target.is_cuda,

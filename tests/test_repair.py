@@ -86,6 +86,13 @@ def test_a_saver_dropped_on_the_way_is_not_added_again_further_down():
     found = repair.next_repair(records, set(), CPU_SPACE, is_cuda=False)
     assert (found.of, found.adds) == (3, "malloc_mmap_threshold=1MiB")
     assert found.config["quantize_text_encoders"] == "none"
+    # a step that ran faster than its parent is walked first, as a root of its own: from where its
+    # chain stood, not from the first saver again (which gave it the text encoders' int8 back)
+    faster_step = record(3, dq, latency=0.9)
+    faster_step.repair = {"of": 1, "adds": "quantize=int8dq"}
+    found = repair.next_repair([*records[:3], faster_step], set(), CPU_SPACE, is_cuda=False)
+    assert (found.of, found.adds) == (3, "malloc_mmap_threshold=1MiB")
+    assert found.config["quantize_text_encoders"] == "none"
 
 
 def test_the_share_counts_each_repaired_config_once():
@@ -236,3 +243,10 @@ def test_patience_waits_for_a_repair_chain(tmp_path: Path):
     assert outcome.best.latency_s == 1.1 and "--patience 2" in outcome.stop_reason
     assert len(outcome.records) < 20
 
+
+
+def test_repairs_take_at_most_half_of_the_trials_when_their_number_is_odd(tmp_path: Path):
+    """--trials 5: two repairs at most (the chain to the fit needs three), not three of the five."""
+    outcome = study.tune(scripted_request(tmp_path, trials=5), measure=scripted_measure)
+    assert [r.repair["adds"] for r in outcome.records if r.repair] == [
+        "quantize_text_encoders=int8wo", "quantize=int8dq"]
