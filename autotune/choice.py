@@ -1,8 +1,8 @@
 """Which measured configurations to keep and pick when the machine's noise cannot tell them apart.
 
 Shared by the study (its front and study.choose_best), a profile's pick for a smaller budget
-(Profile.choose) and the report, which hold their measurements in different forms: trial records,
-the profile's points, the report's points; hence the accessor arguments. The pick's rule and
+(Profile.choose) and the report (its fronts), which hold their measurements in different forms:
+trial records, the profile's points, the report's points; hence the accessor arguments. The pick's rule and
 why: study.choose_best's docstring.
 """
 
@@ -34,6 +34,20 @@ def pareto_front(items: list[T], peak: Callable[[T], int], latency: Callable[[T]
         if not front or latency(item) < latency(front[-1]):
             front.append(item)
     return front
+
+
+def pick(items: list[T], latency: Callable[[T], float], latencies: Callable[[T], list[float]],
+         config: Callable[[T], Config], confirmed: Callable[[T], bool]) -> T:
+    """The pick among feasible configs: the fastest, where it was not measured again (it stands
+    on its one measurement, as any pick does without confirmation: a resume with `--confirm 0`,
+    a `--timeout` that ended confirmation early, a front point below a study's pick that was
+    never a contender); else `simplest_within_noise` among those measured again (`confirmed`).
+    The one rule of the study's pick and of a profile's for a smaller budget: the pick is on the
+    front whatever was confirmed."""
+    fastest = min(items, key=latency)
+    if not confirmed(fastest):
+        return fastest
+    return simplest_within_noise([i for i in items if confirmed(i)], latency, latencies, config)
 
 
 def simplest_within_noise(confirmed: list[T], latency: Callable[[T], float],

@@ -142,7 +142,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
     def fast_but_over(r, fastest: float | None) -> bool:
         # over the budget only: below the quality guard, failed when measured again, or now
         # forbidden (TrialRecord.ruled_out_otherwise), it would not be picked with a saver either
-        return (r.status == worker.OK and r.violations.get("memory", 0) > 0 and not r.ruled_out_otherwise
+        return (r.over_budget and not r.ruled_out_otherwise
                 and (fastest is None or r.latency_s < fastest * (1 - FASTER_BY)))
 
     seen: set[str] = set()

@@ -37,7 +37,7 @@ import optuna
 from optuna.trial import TrialState
 
 from . import quality, repair, runner, storages, worker
-from .choice import changes, pareto_front as _front, simplest_within_noise
+from .choice import changes, pareto_front as _front, pick
 from .console import config_changes, count, counts_text
 from .errors import AutotuneError, first_line
 from .fingerprint import is_device_name
@@ -143,6 +143,11 @@ class TrialRecord:
         return self.status == worker.OK and self.violation <= 0
 
     @property
+    def over_budget(self) -> bool:
+        """Ran, and its peak plus the margin came out over the budget (study.violation)."""
+        return self.status == worker.OK and self.violations.get("memory", 0) > 0
+
+    @property
     def out_of_budgeted_memory(self) -> bool:
         """Stopped for lack of the memory the budget is on (worker.ran_out_of_budgeted_memory)."""
         return worker.ran_out_of_budgeted_memory({**self.result, "status": self.status})
@@ -222,7 +227,7 @@ class TrialRecord:
         one reading of the summary, the no-fit error and the trial lines."""
         if self.status != worker.OK or self.feasible:
             return None
-        return "budget" if self.violations.get("memory", 0) > 0 else self.ruled_out_otherwise
+        return "budget" if self.over_budget else self.ruled_out_otherwise
 
     @property
     def ruled_out_otherwise(self) -> str | None:
@@ -243,7 +248,7 @@ class TrialRecord:
 
 @dataclass
 class StudyOutcome:
-    records: list[TrialRecord]  # measured trials (not duplicates, not forbidden), by number
+    records: list[TrialRecord]  # measured trials (not duplicates; forbidden_now marks those this autotune's rules now forbid), by number
     stop_reason: str
     baseline: TrialRecord | None = None
     best: TrialRecord | None = None
@@ -697,9 +702,7 @@ def trials_since_improvement(records: list[TrialRecord], by: float = 0.01) -> in
 
 def ran_out_of_memory(record: TrialRecord) -> bool:
     """Whether a trial needed more memory than the budget allows (measured, or an OOM error)."""
-    return record.out_of_budgeted_memory or (
-        record.status == worker.OK and record.violations.get("memory", 0) > 0
-    )
+    return record.out_of_budgeted_memory or record.over_budget
 
 
 def memory_dominated(config: Config, records: list[TrialRecord]) -> TrialRecord | None:
@@ -957,7 +960,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
                     f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "
                     "out-of-memory killer?); the sampler may propose it again")
     with _setting_up_alone(req.workdir, on_step):
-        warm = _queue_baseline_and_warm_start(study, req, created, on_step)
+        _queue_baseline_and_warm_start(study, req, created, on_step)
         # The seeds are queued once per study, by the run that finds them not queued yet: the one
         # that created it, or the next one where that run stopped (Ctrl-C, an error, SIGKILL)
         # before it queued them all. (A study of an autotune before the mark: its seed trials say so.)
@@ -973,7 +976,7 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
         # run stopped in it (Ctrl-C, an error, SIGKILL) queues none, and the next run calibrates
         # and queues them. Read again: a worker on another machine may have queued them meanwhile.
         if seeds_pending and study.user_attrs.get(SEEDS_QUEUED) is not True:  # read from the storage
-            _queue_seeds(study, req, calibration, warm)
+            _queue_seeds(study, req, calibration)
     return study
 
 
@@ -1036,10 +1039,9 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
 
 
 def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, created: bool,
-                                   on_step: Callable[[str], None]) -> list[Config]:
+                                   on_step: Callable[[str], None]) -> None:
     """Queue the baseline (in a new study, or one whose creator stopped before it queued it) and
-    the --warm-start configs not queued or measured yet; returns every warm-start config the
-    space keeps (queued now or before: the seeds leave them out)."""
+    the --warm-start configs not queued or measured yet."""
     space = req.space
     if created or _baseline_lost(study):
         study.enqueue_trial(space.params(baseline()), user_attrs={"baseline": True})
@@ -1057,7 +1059,6 @@ def _queue_baseline_and_warm_start(study: optuna.Study, req: TuneRequest, create
         on_step(f"warm start: {count(len(warm), 'config')} of the earlier front {when}"
                 + (f"; {left} left out: the baseline, forbidden here, or the same once reduced to this space"
                    if left else ""))
-    return warm
 
 
 def _baseline_lost(study: optuna.Study) -> bool:
@@ -1157,17 +1158,15 @@ def _say_if_busy(calibration: dict, on_step: Callable[[str], None]) -> None:
                 "their times do not decide the seeds' precision")
 
 
-def _queue_seeds(study: optuna.Study, req: TuneRequest, calibration: dict, warm: list[Config]) -> None:
-    """Queue the space's seeds as this machine takes them (machine_seeds), but those the warm start
-    queued already, and mark them queued."""
+def _queue_seeds(study: optuna.Study, req: TuneRequest, calibration: dict) -> None:
+    """Queue the space's seeds as this machine takes them (machine_seeds), and mark them queued."""
     seeds, note = machine_seeds(req.space, calibration, req.budget_bytes - req.margin_bytes,
                                 cpu=not req.target.is_cuda)
-    keys = {config_key(c) for c in warm}
     study.set_user_attr(SEEDS_QUEUED, SEEDS_QUEUEING)  # stopped among them, a resume queues the rest
     for config in seeds:
-        if config_key(config) not in keys:
-            # skip_if_exists: two workers that both found them pending queue each once
-            study.enqueue_trial(req.space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
+        # skip_if_exists (Optuna compares the params of every trial, queued, running or ended): a
+        # seed the warm start queued, or one of two workers that both found them pending
+        study.enqueue_trial(req.space.params(config), user_attrs={"seed": True}, skip_if_exists=True)
     if note:
         study.set_user_attr("seed_note", note)
     study.set_user_attr(SEEDS_QUEUED, True)
@@ -1669,18 +1668,21 @@ def choose_best(feasible: list[TrialRecord]) -> tuple[TrialRecord | None, str | 
     This is the one-standard-error rule of model selection, with the observed range in place of
     a standard error: on this project's 2-core VMs the trials of one config drifted by up to 36%,
     and a float32 config picked for a lower median ran 1.10x the default's latency measured
-    alternately. What the choice can cost is bounded by the fastest config's own spread."""
-    confirmed = [r for r in feasible if r.confirmations and r.latencies_s]
-    fastest = min(confirmed or feasible, key=lambda r: r.latency_s, default=None)
-    if not confirmed:
-        return fastest, None
+    alternately. What the choice can cost is bounded by the fastest config's own spread.
+    A config faster than every confirmed median that was not measured again (confirmation cut
+    short by --timeout, or a resume with --confirm 0) is the pick on its one figure
+    (choice.pick): else the pick would stand off the front, slower than a point beside it."""
+    if not feasible:
+        return None, None
     # the spread of its quiet trials: a trial timed beside busy neighbours widened it to 3x the
     # median, and kept the float32 default over a config faster in both of its quiet trials
-    pick = simplest_within_noise(confirmed, lambda r: r.latency_s, lambda r: r.quiet_latencies_s, lambda r: r.config)
-    if pick is fastest:
-        return pick, None
-    return pick, (
-        f"kept trial {pick.number} ({_knobs_changed(pick.config)}, median {pick.latency_s:.3f} s) "
+    best = pick(feasible, lambda r: r.latency_s, lambda r: r.quiet_latencies_s, lambda r: r.config,
+                confirmed=lambda r: bool(r.confirmations))
+    fastest = min(feasible, key=lambda r: r.latency_s)
+    if best is fastest:
+        return best, None
+    return best, (
+        f"kept trial {best.number} ({_knobs_changed(best.config)}, median {best.latency_s:.3f} s) "
         f"over trial {fastest.number} ({_knobs_changed(fastest.config)}, median {fastest.latency_s:.3f} s, "
         f"slowest trial {max(fastest.quiet_latencies_s):.3f} s): the difference is within the faster one's own spread"
     )
@@ -1702,7 +1704,7 @@ def confirm_contenders(
     other worker's trial is running, and one worker at a time confirms (`_claim_confirmation`);
     the others wait, so that every worker reports the same pick and no two confirmations run at
     once. No round starts after `deadline` (time.monotonic(); --timeout): the pick is then made
-    among the configs confirmed by then."""
+    among the configs confirmed by then, unless one not measured again is faster (choose_best)."""
     while True:
         _fail_stale_trials(study)  # a worker that died frees its trial or its claim
         if _past(deadline) or not _unconfirmed(study, req.confirm_rounds):
@@ -1781,7 +1783,7 @@ def _unconfirmed(study: optuna.Study, rounds: int) -> list[tuple[TrialRecord, in
     if len(candidates) < 2:
         return []  # nothing to choose between
     confirmed = study.user_attrs.get(CONFIRMATIONS, {})
-    fastest = min(min(r.latencies_s) for r in candidates)  # feasible: each measured
+    fastest = min(min(r.latencies_s) for r in candidates)  # each ran (a baseline over the budget too)
     quiet_seen = any(r.quiet_medians_s for r in candidates)
     wanted = {r.number: _rounds_of(r, rounds, quiet_seen) for r in candidates}
     return [(record, round_, _round_cut(record, fastest)) for round_ in range(max(wanted.values()))

@@ -2125,6 +2125,26 @@ def test_the_fastest_is_within_its_own_noise_whatever_its_trials():
     assert picked[0] == "a"
 
 
+def test_a_config_faster_than_every_confirmed_median_and_not_measured_again_is_the_pick():
+    """A resume with --confirm 0 (or a --timeout that ended confirmation early) leaves a config
+    faster than the confirmed ones unconfirmed: the pick was the fastest confirmed (1.01 s), off
+    the front that held the unconfirmed 0.5 s beside it at the same peak (helper-1)."""
+    def record(number, config, latency, again=()):
+        ok = {"status": worker.OK, "violation": -0.1, "peak_memory_bytes": 100}
+        return study.TrialRecord(number=number, config=config, status=worker.OK, violation=-0.1,
+                                 result={"latency_s": latency, "peak_memory_bytes": 100},
+                                 violations={"memory": -0.1}, confirmations=[{**ok, "latency_s": a} for a in again])
+
+    a = record(1, {"dtype": "bfloat16"}, 1.0, again=[1.02, 1.01])
+    c = record(2, {"dtype": "bfloat16", "fuse_qkv": True}, 1.1, again=[1.12, 1.1])
+    b = record(9, {"dtype": "bfloat16", "channels_last": True}, 0.5)
+    best, note = study.choose_best([a, c, b])
+    assert best is b and note is None and study.pareto_front([a, c, b]) == [b]
+    # slower than a confirmed median, it is left aside: the confirmed rule decides
+    slow = record(9, {"dtype": "bfloat16", "channels_last": True}, 1.05)
+    assert study.choose_best([a, c, slow]) == (a, None)
+
+
 def test_a_baseline_over_the_budget_sets_no_bar_for_measuring_a_config_again(tmp_path):
     """The baseline, over the budget, is measured again for its figure as it was timed under
     load. Its quiet median (0.5 s) counted among the contenders' medians, the bar a config's one
