@@ -530,12 +530,10 @@ def _tune(args, argv: list[str]) -> int:
     workload = _workload_from(args, spec)
     target = Target(device=device, family=spec.family, capability=fingerprint.capability(measured_on), workload=workload)
     space = _space_here(args, spec, target)
-    if args.list_knobs:
-        _threads(args)  # an option the run would refuse is refused here too
-        console.print_space(space, target)
-        return 0
-    check_weights_here(spec)
+    if not args.list_knobs:  # a listing needs the family alone, not the weights
+        check_weights_here(spec)
 
+    # --list-knobs too: an option the run would refuse is refused before the listing
     machine = {**fingerprint.machine(measured_on), "device": device}
     budget, margin, threads = _budget_margin_threads(args, machine)
     if args.study_name is not None:
@@ -545,6 +543,16 @@ def _tune(args, argv: list[str]) -> int:
     _check_study_name(study_name, given=False)  # a default one too: it names folders
     # read before anything is made: a source that does not read leaves no storage file behind
     warm_start = _warm_start_configs(args.warm_start, args.storage or default_storage(args.workdir), spec.name)
+    if args.list_knobs:
+        with _undone_if_refused(args.workdir, args.output, always=True):  # a listing leaves no folder
+            storage, output = _storage_and_output(args, spec, budget)
+            if args.output:  # a file that is no profile (the default name's other run is no option given)
+                _check_output_replaceable(output, study_name, default_named=False)
+        # the URL and a folder in its place, not check_opens: that makes the SQLite or journal
+        # file, and waits out a server that does not answer
+        check_file(storage, must_exist=False)
+        console.print_space(space, target)
+        return 0
     with _undone_if_refused(args.workdir, args.output):
         storage, output = _storage_and_output(args, spec, budget)
         check_opens(storage)  # a server that does not answer, a driver not installed: said before the search
@@ -832,12 +840,13 @@ def _check_study_name(name: str, given: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def _undone_if_refused(workdir: Path | None, output: Path | None):
+def _undone_if_refused(workdir: Path | None, output: Path | None, always: bool = False):
     """The folders the checks before a search make (the work folder, the profile's missing
     folders), removed again where a check then refuses the run (an error raised, or a non-zero
     exit code put in the list it yields), those left empty: a storage that does not answer left
     `-o a/b/p.yaml`'s folders and the work folder behind. (A storage file made meanwhile stays:
-    another worker may be writing to it already.)"""
+    another worker may be writing to it already.) `always`: removed however it ends (the checks
+    of --list-knobs, which writes nothing)."""
     missing = []
     for path in filter(None, [workdir, output and Path(output).parent]):
         for folder in [path.absolute(), *path.absolute().parents]:
@@ -856,7 +865,7 @@ def _undone_if_refused(workdir: Path | None, output: Path | None):
     except BaseException:
         undo()
         raise
-    if returned and returned[0] != 0:
+    if always or returned and returned[0] != 0:
         undo()
 
 
@@ -1217,6 +1226,7 @@ def _verify(out, profile, args) -> int:
 
     from . import console, fingerprint, runner, worker
     from .errors import AutotuneError
+    from .models import check_weights_here
     from .sizes import format_size
 
     # The device is checked here, as Profile._target does when serving: else the replay fails
@@ -1234,6 +1244,10 @@ def _verify(out, profile, args) -> int:
             raise AutotuneError(f"profile {args.profile} was measured on {recorded}: "
                                 f"{str(exc).split(': ', 1)[1]}; pick one with --device") from None
     profile.check_runs_on(device)  # a config that cannot run here: said before a costly start
+    try:  # the weights, as a run checks them: a model folder gone was said after the replay's start
+        check_weights_here(profile.model)
+    except AutotuneError as exc:
+        raise AutotuneError(f"profile {args.profile}: {exc}") from None
     # Replayed on another kind of device (a GPU profile on the CPU): the figures compare two
     # devices, and the budget, on the recorded device's memory, is not judged on this one's.
     same_kind = device.partition(":")[0] == recorded.partition(":")[0]

@@ -271,7 +271,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     `storage`: the storage of `url` opened already (a report reading several of its studies)."""
     import optuna
 
-    from .study import summarize, unfinished
+    from .study import check_stored_request, summarize, unfinished
 
     if storage is None:
         storage = _open_storage(url)
@@ -285,6 +285,12 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     if not isinstance(request, dict):
         raise ReportError(f"storage {display_url(url)}: study '{name}' was not made by autotune "
                           "(it records no request)")
+    try:
+        check_stored_request(request)
+    except ValueError as exc:
+        raise ReportError(f"storage {display_url(url)}: study '{name}': its stored request is malformed: {exc}") from None
+    margin = request.get("margin")
+    margin = "0" if margin in (None, "") else str(margin)
     outcome = summarize(study, guard_asked=bool(request.get("min_psnr_db")))
     measured = {r.number for r in outcome.records}
     trials = outcome.trials
@@ -292,7 +298,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
     data = StudyData(
         label=label or "", name=name, storage=url, model=request.get("model", {}),
         workload=request.get("workload", {}), device=request.get("device", "?"),
-        budget_bytes=request.get("budget_bytes"), margin=str(request.get("margin") or "0"),
+        budget_bytes=request.get("budget_bytes"), margin=margin,
         points=[_point(r) for r in outcome.records], front=[_point(r) for r in outcome.front],
         best=_point(outcome.best) if outcome.best else None,
         baseline=_point(outcome.baseline) if outcome.baseline else None,
@@ -303,7 +309,7 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         trials=[t for t in trials if t.number in measured],
     )
     if outcome.best is None:  # the CLI's words, for the note, the table and the speedups chart
-        data.no_best = outcome.why_no_best(data.budget_bytes or 0, request.get("margin_bytes") or 0, data.margin)[1]
+        data.no_best = outcome.why_no_best(data.budget_bytes or 0, parse_margin(margin, data.budget_bytes or 0), data.margin)[1]
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
     if outcome.ruled_out_note:  # the summary's note: why a pick may differ from an earlier one
         data.notes.append(f"{name}: {outcome.ruled_out_note}")

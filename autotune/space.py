@@ -80,7 +80,7 @@ class SearchSpace:
         elif not path.exists():
             raise SpaceError(f"search space {path}: no such file (a space file's path, or the name of a shipped "
                              f"space: {', '.join(shipped_names())})")
-        knobs, forbid, seeds, own = _read_layers(path, seen=())
+        knobs, forbid, seeds, own = _read_layers(path)
         if not knobs:  # an empty or mistyped file would otherwise tune the baseline alone
             raise SpaceError(f"search space {path}: it names no knobs (add 'knobs:' with knob: choices)")
         dims = _dimensions(knobs, path)
@@ -350,20 +350,32 @@ def _without_unmet(dims: list[Dimension], why: str) -> tuple[list[Dimension], li
 
 
 # ---- file parsing ---------------------------------------------------------------------------------
-def _read_layers(path: Path, seen: tuple) -> tuple[dict, list, list, set]:
+# Files one `extends` chain may hold, the space's own among them (the shipped spaces chain two):
+# a chain of 1500 generated files met Python's recursion limit, which the YAML reader blamed on a
+# sound file as "nested too deeply". Walked in a loop, and capped to say what is wrong.
+MAX_EXTENDS = 32
+
+
+def _read_layers(path: Path) -> tuple[dict, list, list, set]:
     """A space file with the files it extends: its knobs, forbid rules and seeds, and the names
     of the knobs this file itself sets (the others come from the files it extends)."""
-    if path.resolve() in seen:  # resolved: `extends: ../spaces/me.yaml` names the same file
-        raise SpaceError(f"search space {path}: 'extends' loops back to itself")
-    data = read_yaml(path, "search space", SpaceError)
-    if not isinstance(data, dict):
-        raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
-    unknown = set(data) - {"extends", "knobs", "forbid", "seeds"}
-    if unknown:
-        # as text: YAML reads `1:` as a number, and numbers and names do not sort together
-        raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(map(str, unknown)))}")
-    knobs, forbid, seeds = {}, [], []
-    if data.get("extends"):
+    chain: list[tuple[Path, dict]] = []  # the file, then each it extends, read and checked in turn
+    while True:
+        if path.resolve() in {p.resolve() for p, _ in chain}:  # resolved: `extends: ../spaces/me.yaml`
+            raise SpaceError(f"search space {path}: 'extends' loops back to itself")
+        if len(chain) == MAX_EXTENDS:
+            raise SpaceError(f"search space {chain[0][0]}: its 'extends' chain is longer than {MAX_EXTENDS} "
+                             f"files (it goes on at {path}): merge some of them")
+        data = read_yaml(path, "search space", SpaceError)
+        if not isinstance(data, dict):
+            raise SpaceError(f"search space {path}: expected a mapping with 'knobs:' at the top")
+        unknown = set(data) - {"extends", "knobs", "forbid", "seeds"}
+        if unknown:
+            # as text: YAML reads `1:` as a number, and numbers and names do not sort together
+            raise SpaceError(f"search space {path}: unknown section(s) {', '.join(sorted(map(str, unknown)))}")
+        chain.append((path, data))
+        if not data.get("extends"):
+            break
         parent = data["extends"]
         if not isinstance(parent, str):
             raise SpaceError(f"search space {path}: 'extends' takes one file name (a space extends one "
@@ -376,23 +388,26 @@ def _read_layers(path: Path, seen: tuple) -> tuple[dict, list, list, set]:
         if not parent.exists():
             raise SpaceError(f"search space {path}: it extends {parent}: no such file (named relative to the "
                              f"file that extends it, or one of the shipped spaces: {', '.join(shipped_names())})")
-        knobs, forbid, seeds, _ = _read_layers(parent, seen + (path.resolve(),))
-    # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
-    own = {} if data.get("knobs") is None else data["knobs"]
-    if not isinstance(own, dict):
-        if not own:  # `knobs: []`, `knobs: ""`
-            raise SpaceError(f"search space {path}: it names no knobs ('knobs' must be a mapping of "
-                             "knob: choices, such as {dtype: [float32, bfloat16]})")
-        raise SpaceError(f"search space {path}: 'knobs' must be a mapping of knob: choices")
-    knobs.update(own)
-    more = [] if data.get("forbid") is None else data["forbid"]
-    if not isinstance(more, list):
-        raise SpaceError(f"search space {path}: 'forbid' must be a list of partial configs")
-    if "seeds" in data:  # a file's own seeds replace the ones it extends
-        seeds = [] if data["seeds"] is None else data["seeds"]
-        if not isinstance(seeds, list):
-            raise SpaceError(f"search space {path}: 'seeds' must be a list of partial configs")
-    return knobs, forbid + more, seeds, set(own)
+        path = parent
+    knobs, forbid, seeds = {}, [], []
+    for path, data in reversed(chain):  # the farthest first: each file overrides what it extends
+        # `is None`, not falsiness: an empty list or string is the wrong type, not an empty section
+        own = {} if data.get("knobs") is None else data["knobs"]
+        if not isinstance(own, dict):
+            if not own:  # `knobs: []`, `knobs: ""`
+                raise SpaceError(f"search space {path}: it names no knobs ('knobs' must be a mapping of "
+                                 "knob: choices, such as {dtype: [float32, bfloat16]})")
+            raise SpaceError(f"search space {path}: 'knobs' must be a mapping of knob: choices")
+        knobs.update(own)
+        more = [] if data.get("forbid") is None else data["forbid"]
+        if not isinstance(more, list):
+            raise SpaceError(f"search space {path}: 'forbid' must be a list of partial configs")
+        forbid += more
+        if "seeds" in data:  # a file's own seeds replace the ones it extends
+            seeds = [] if data["seeds"] is None else data["seeds"]
+            if not isinstance(seeds, list):
+                raise SpaceError(f"search space {path}: 'seeds' must be a list of partial configs")
+    return knobs, forbid, seeds, set(own)  # `own`: the space's file, the last walked
 
 
 def _check_value(name: str, value, path) -> None:

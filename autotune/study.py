@@ -920,17 +920,32 @@ def request_of(study: optuna.Study, storage: str) -> TuneRequest:
                             "another tool, or one written by an older autotune)") from None
     except (AutotuneError, ValueError) as exc:  # a model or workload out of shape
         raise AutotuneError(f"study {study.study_name}: its stored request is malformed: {exc}") from None
-    # What the listing and the profile compute with (an edited request's "x" was a TypeError there)
-    budget = req.budget_bytes
     try:
-        if type(budget) is not int or not 0 < budget <= MAX_SIZE:
-            raise ValueError(f"budget_bytes {budget!r:.40} is not a positive number of bytes")
-        if not is_device_name(req.target.device):  # the listing reads its type (helper-23: 0 was a traceback)
-            raise ValueError(f"device {req.target.device!r:.40} is not cpu, cuda or cuda:N")
-        req.margin_bytes  # noqa: B018 (parses the margin)
+        check_stored_request(attr)
     except ValueError as exc:
         raise AutotuneError(f"study {study.study_name}: its stored request is malformed: {exc}") from None
     return req
+
+
+def check_stored_request(attr: dict) -> None:
+    """The values of a stored request that its readers compute with (export's listing, the
+    profile, the report): ValueError naming the first out of shape (an edited request's budget
+    of "x" was a TypeError there, a list model an AttributeError in the report). A key it lacks
+    is not checked: the report draws the partial requests of earlier autotunes."""
+    if "model" in attr and not isinstance(attr["model"], dict):
+        raise ValueError(f"model {attr['model']!r:.40} is not a mapping")
+    if "workload" in attr:
+        try:
+            Workload.from_dict(attr["workload"])
+        except ValueError as exc:
+            raise ValueError(f"workload {exc}") from None
+    budget = attr.get("budget_bytes")
+    if "budget_bytes" in attr and (type(budget) is not int or not 0 < budget <= MAX_SIZE):
+        raise ValueError(f"budget_bytes {budget!r:.40} is not a positive number of bytes")
+    if "device" in attr and not is_device_name(attr["device"]):  # the listing reads its type (helper-23)
+        raise ValueError(f"device {attr['device']!r:.40} is not cpu, cuda or cuda:N")
+    if attr.get("margin") not in (None, ""):
+        parse_margin(attr["margin"], budget or 0)  # as TuneRequest.margin_bytes parses it
 
 
 def prepare(req: TuneRequest, measure: Measure | None = None,

@@ -520,6 +520,25 @@ def test_list_knobs_shows_the_space_and_why_choices_were_dropped(cli):
     assert "offload=model: CPU offload needs an accelerator" in out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--storage", "foo"], "storage foo: not a storage URL; for a SQLite file write sqlite:///foo"),
+    (["--vram", "1MB", "--margin", "2MB"], "--margin 2MB is not under the budget 1.00 MiB: nothing could fit"),
+    (["-o", "adir.yaml"], "profile adir.yaml: is a folder; name a file"),
+    (["--warm-start", "nothere.yaml"], "--warm-start nothere.yaml: no such profile file"),
+])
+def test_list_knobs_refuses_the_options_the_run_would_refuse(cli, tmp_path, args, message):
+    # each exited 0 with the listing, which the run then refused
+    (tmp_path / "adir.yaml").mkdir()
+    assert message in one_line_error(cli("--model", "tiny-sd15", *args, "--list-knobs"))
+
+
+def test_list_knobs_checks_the_output_and_work_folders_and_leaves_neither(cli, tmp_path):
+    # the run's checks make the folders that are missing; a listing writes nothing
+    proc = cli("--model", "tiny-sd15", "-o", "a/b/p.yaml", "--list-knobs")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_list_knobs_says_how_many_seeds_were_left_out(cli, tmp_path):
     (tmp_path / "s.yaml").write_text("knobs:\n  dtype: [float32, bfloat16]\n"
                                      "seeds:\n  - {channels_last: true}\n  - {dtype: bfloat16}\n")
@@ -1210,6 +1229,18 @@ def test_verify_checks_the_device_before_replaying(cli, tmp_path, device, args, 
     assert proc.returncode == code  # a device autotune does not know is bad usage (2), as any bad option value
     assert message in one_line_error(proc)
     assert "replayed peak" not in proc.stdout  # no verdict: nothing was replayed
+
+
+def test_verify_checks_the_weights_are_here_before_replaying(cli, tmp_path):
+    # a model folder gone was said after a replay's start (10 s) and a table of dashes
+    path = write_profile(tmp_path / "p.yaml")
+    doc = yaml.safe_load(path.read_text())
+    doc["model"].update(kind="pretrained", source=str(tmp_path / "gone"), name="gone")
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    proc = cli("verify", "p.yaml")
+    assert proc.returncode == 1
+    assert one_line_error(proc) == f"autotune: error: profile p.yaml: no such model folder {tmp_path / 'gone'}"
+    assert "replayed" not in proc.stdout and "-" * 3 not in proc.stdout  # no table: nothing was replayed
 
 
 @pytest.mark.slow

@@ -721,6 +721,30 @@ def test_studies_autotune_did_not_make_are_left_out_or_refused(tmp_path):
         report.load(bare)
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("model", [1], "model [1] is not a mapping"),
+    ("workload", [1], "workload must be a mapping of height, width, steps"),
+    ("budget_bytes", "x", "budget_bytes 'x' is not a positive number of bytes"),
+    ("device", ["cpu"], "device ['cpu'] is not cpu, cuda or cuda:N"),
+    ("margin", "abc", "'abc' is not a margin"),
+])
+def test_a_study_whose_stored_request_is_malformed_is_refused_in_a_line(tmp_path, field, value, said):
+    # an edited request was read unchecked: a list model was an AttributeError in the labels, a
+    # budget of "x" a TypeError in short_size; export refuses the same studies in a line
+    from autotune import report
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="edited", storage=url)
+    study.set_user_attr("request", {**REQUEST, field: value})
+    with pytest.raises(report.ReportError) as exc:
+        report.load(f"edited@{url}")
+    assert str(exc.value).startswith(f"storage {url}: study 'edited': its stored request is malformed: {said}")
+    if field == "model":  # the CLI's line, exit 1
+        proc = run_cli("report", f"edited@{url}", "--out", tmp_path / "out", cwd=tmp_path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [f"autotune: error: {exc.value}"]
+
+
 def stopped_study(url, name, budget_bytes):
     """A study as Ctrl-C leaves it before its first trial ended: the request, the interrupted
     trial failed, its config queued again."""
