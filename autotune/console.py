@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +22,16 @@ from .worker import OK, SECOND_TRIAL_STOPPED, ran_out_of_host_memory
 def count(n: int, word: str, plural: str | None = None) -> str:
     """"1 study", "2 studies": a count with its noun in the right number."""
     return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+# C0 and C1 control characters, ESC among them, which rich passes through: "\x1b]0;...\x07" in a
+# profile's machine name retitled the terminal of whoever ran `show`, "\x1b[2J" cleared it.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text) -> str:
+    """`text` with each control character written as its escape (\\x1b, \\n), as repr writes it."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
 
 
 # Piped into a file, a pager or grep, rich lays tables out at 80 columns, and the knob table
@@ -436,21 +447,25 @@ def front_sizes(peaks: list[int]) -> list[str]:
 
 def print_profile(out: Console, profile) -> None:
     d = profile.data
+
+    def say(text: str) -> None:  # a profile's text is anyone's: no terminal escapes from it
+        out.print(printable(text))
+
     m, w = profile.model, profile.workload  # with their defaults (batch_size may be left out)
-    out.print(f"profile {profile.path}")
-    out.print(f"  model: {m.name} ({m.kind}, {m.family})  workload: {_workload_text(w)}")
+    say(f"profile {profile.path}")
+    say(f"  model: {m.name} ({m.kind}, {m.family})  workload: {_workload_text(w)}")
     budget = d["budget"]
-    out.print(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
-              f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
-              + (f", {count(profile.threads, 'CPU thread')}" if profile.threads else ""))
+    say(f"  budget: {format_size(budget['memory_bytes'])} (margin {budget.get('margin', '0')})  "
+        f"machine: {d['machine'].get('name')} ({d['machine'].get('device')})"
+        + (f", {count(profile.threads, 'CPU thread')}" if profile.threads else ""))
     best = d["best"]
     speed = best.get("speedup_vs_baseline")
-    out.print(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}, "
-              f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
-              + (f", {speed:.2f}x the baseline" if speed else "")
-              + f"  [{config_changes(best['config'])}]")
+    say(f"  best: {best['latency_s']:.3f} s, {format_size(best['peak_memory_bytes'])}, "
+        f"{format_size(budget['memory_bytes'] - best['peak_memory_bytes'])} headroom"
+        + (f", {speed:.2f}x the baseline" if speed else "")
+        + f"  [{config_changes(best['config'])}]")
     if d["study"].get("choice"):
-        out.print(f"  choice: {d['study']['choice']}")
+        say(f"  choice: {d['study']['choice']}")
     # The pick is off the front when it was kept over a faster config within noise (the choice
     # line says why): it gets its row too, so the table holds what "best" names.
     # Configs compared complete: a knob left at its default may be deleted from the best by hand
@@ -470,8 +485,8 @@ def print_profile(out: Console, profile) -> None:
     for col in ("trial", "latency", "peak memory", "configuration"):
         table.add_column(col)
     for p, size in zip(rows, front_sizes([p["peak_memory_bytes"] for p in rows])):
-        table.add_row(f"{p.get('trial', '')}{' (best)' if is_best(p) else ''}", f"{p['latency_s']:.3f} s",
-                      size, config_changes(p["config"]))
+        table.add_row(*map(printable, (f"{p.get('trial', '')}{' (best)' if is_best(p) else ''}",
+                                        f"{p['latency_s']:.3f} s", size, config_changes(p["config"]))))
     out.print(table)
     s = d["study"]  # the figures a hand-edited profile lacks are left out, not shown as None
     # in the summary's words: a trial measured, and of those the ones that cannot be picked
@@ -479,8 +494,8 @@ def print_profile(out: Console, profile) -> None:
                        f"{s[key]} of them failed or cannot be picked (over the budget, below the quality guard, "
                        "failed when measured again, or now forbidden)"
                        for key, noun in (("trials", "trial"), ("infeasible", None)) if s.get(key) is not None)
-    out.print(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
-              + (f": {counts}" if counts else ""))
+    say(f"  study: {s.get('name', '?')}" + (f" in {s['storage']}" if s.get("storage") else "")
+        + (f": {counts}" if counts else ""))
 
 
 __all__ = ["terminal", "print_space", "print_header", "TrialProgress", "print_summary", "print_profile"]

@@ -53,17 +53,86 @@ def why_unwritable(folder) -> str | None:
     return None
 
 
+# What aliases may repeat of a file, in values and characters: a profile's best repeats one of its
+# front points (a few hundred); a billion laughs is refused before it has composed much.
+ALIASES_REPEAT_AT_MOST = 1_000_000
+
+
 @functools.cache
 def _unique_key_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
     without a word, so a knob listed twice in a space file (or a field in a hand-edited profile)
-    would quietly lose the first. The YAML spec requires keys to be unique."""
+    would quietly lose the first. The YAML spec requires keys to be unique.
+
+    Aliases (*name) are read only where they repeat little and make no cycle: autotune writes
+    none (profile._Dumper), but yaml.safe_dump does for an object a document holds twice (a
+    profile written by a script, its best one of its front points). Nine nested ones in 1.3 KB
+    (a "billion laughs") repeated a billion values when `show` printed them, and one inside its
+    own anchor is a cycle. And a scalar its tag's constructor cannot convert (2026-02-30,
+    !!int abc, 5000 digits) is a YAML error with its line, not the constructor's ValueError."""
+    import sys
+
     import yaml
 
     class DuplicateKey(yaml.constructor.ConstructorError):
         pass
 
+    class Alias(yaml.composer.ComposerError):
+        pass
+
+    class BadValue(yaml.constructor.ConstructorError):
+        pass
+
     class Loader(yaml.SafeLoader):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.open_anchors, self.sizes, self.composed, self.repeated = set(), {}, 0, 0
+
+        def compose_node(self, parent, index):
+            # values and characters composed, an alias's anchor counted again for each alias
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                name, line = event.anchor, event.start_mark.line + 1
+                if name in self.open_anchors:
+                    raise Alias(None, None, f"the alias *{name} at line {line} is inside the value it names: "
+                                "a cycle, which no reader can follow", event.start_mark)
+                size = self.sizes.get(name, 0)  # 0: an undefined alias, said by the composer
+                self.composed += size
+                self.repeated += size
+                if self.repeated > ALIASES_REPEAT_AT_MOST:
+                    raise Alias(None, None, f"with the alias *{name} at line {line}, aliases repeat over "
+                                f"{ALIASES_REPEAT_AT_MOST:,} values and characters (a \"billion laughs\"?): "
+                                "write the values out", event.start_mark)
+                return super().compose_node(parent, index)
+            name, start = event.anchor, self.composed
+            self.composed += 1 + (len(event.value) if isinstance(event, yaml.ScalarEvent) else 0)
+            if name is None:
+                return super().compose_node(parent, index)
+            self.open_anchors.add(name)
+            node = super().compose_node(parent, index)
+            self.open_anchors.discard(name)
+            self.sizes[name] = self.composed - start
+            return node
+
+        def construct_object(self, node, deep=False):
+            if not isinstance(node, yaml.ScalarNode):
+                return super().construct_object(node, deep)
+            try:
+                return super().construct_object(node, deep)
+            # what the safe constructors raise on text their tag's pattern let through: int('abc'),
+            # a date out of range, a bool_values KeyError, a timestamp regex that did not match
+            except (ValueError, ArithmeticError, LookupError, AttributeError) as exc:
+                tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+                shown = node.value if len(node.value) <= 40 else node.value[:36] + "..."
+                digits, limit = sum(c.isdigit() for c in node.value), sys.get_int_max_str_digits()
+                if tag == "!!int" and limit and digits > limit:  # not int()'s advice to raise the limit
+                    reason = f": {digits} digits, over the {limit} Python reads"
+                elif tag == "!!timestamp" and isinstance(exc, ValueError):  # datetime's words are a person's
+                    reason = f": {first_line(exc)}"  # "day is out of range for month"
+                else:
+                    reason = ""
+                raise BadValue(None, None, f"{shown!r} cannot be read as {tag}{reason}", node.start_mark) from None
+
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
@@ -77,7 +146,7 @@ def _unique_key_loader():
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
-    Loader.DuplicateKey = DuplicateKey
+    Loader.DuplicateKey, Loader.Alias, Loader.BadValue = DuplicateKey, Alias, BadValue
     return Loader
 
 
@@ -111,6 +180,10 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
     except loader.DuplicateKey as exc:
         at = f" at line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
         raise error(f"{what} {path}: {exc.problem}{at}: keep one") from None
+    except loader.Alias as exc:
+        raise error(f"{what} {path}: {exc.problem}") from None
+    except loader.BadValue as exc:
+        raise error(f"{what} {path}: not valid YAML at line {exc.problem_mark.line + 1} ({exc.problem}){hint}") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
@@ -122,3 +195,5 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None
     except RecursionError:  # PyYAML composes nested collections recursively: 1000 '[' end it so
         raise error(f"{what} {path}: not valid YAML (nested too deeply){hint}") from None
+    except (ValueError, OverflowError) as exc:  # the loader's BadValue says a scalar's; any other conversion
+        raise error(f"{what} {path}: not valid YAML ({first_line(exc)}){hint}") from None

@@ -27,7 +27,7 @@ import yaml
 
 from . import fingerprint
 from .errors import AutotuneError, ProfileError, first_line, os_reason, read_yaml, why_unwritable
-from .choice import simplest_within_noise
+from .choice import pick
 from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_found, apply_config, build_configured,
                     complete, conflict, lora_on_fused_projections, settings_found, unrunnable)
 from .knobs.attention import replaces_processors
@@ -35,7 +35,7 @@ from .knobs.base import ProcessSettings, denoiser
 from .knobs.precision import DTYPES
 from .models import (FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, pipeline_class_here,
                      spec_problem)
-from .sizes import check_size, fits, format_size, parse_budget, parse_margin
+from .sizes import MAX_SIZE, check_size, fits, format_size, parse_budget, parse_margin
 from .workload import Workload
 
 FORMAT_VERSION = 1
@@ -547,16 +547,13 @@ class Profile:
 
 
 def _pick_for_budget(points: list[dict]) -> dict:
-    """The pick among the front points that fit a budget below the study's pick. The fastest,
-    when its trials were not measured again: at a smaller budget it may never have been a
-    contender of the study (those are measured again), and it stands on its one measurement, as
-    any pick does without confirmation. Else the study's rule (choice.simplest_within_noise)
-    among the points that were measured again (a confirmed point has `latencies_s`)."""
-    fastest = min(points, key=lambda p: p["latency_s"])
-    if not fastest.get("latencies_s"):
-        return fastest
-    return simplest_within_noise([p for p in points if p.get("latencies_s")], lambda p: p["latency_s"],
-                                 lambda p: p.get("quiet_latencies_s") or p["latencies_s"], lambda p: p["config"])
+    """The pick among the front points that fit a budget below the study's pick, by the study's
+    rule (choice.pick): the fastest, when its trials were not measured again (at a smaller budget
+    it may never have been a contender of the study, and it stands on its one measurement, as
+    any pick does without confirmation); else the simplest within noise among the points that
+    were (a confirmed point has `latencies_s`)."""
+    return pick(points, lambda p: p["latency_s"], lambda p: p.get("quiet_latencies_s") or p["latencies_s"],
+                lambda p: p["config"], confirmed=lambda p: bool(p.get("latencies_s")))
 
 
 def _device_here(device: str) -> bool:
@@ -702,6 +699,10 @@ def validate(data, path) -> None:
     if not fingerprint.is_device_name(data["machine"].get("device")):
         raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N), "
                            f"not {data['machine'].get('device')!r:.40}")
+    memory = data["machine"].get("memory_bytes")  # a mismatch line shows it as a size: 10**400 overflowed there
+    if memory is not None and (not _is_number(memory) or memory <= 0 or memory > MAX_SIZE):
+        raise ProfileError(f"profile {path}: machine.memory_bytes must be a positive number of bytes "
+                           f"(2**63 - 1 at most) or null, not {memory!r:.40}")
     if not isinstance(data["pareto"], list) or not data["pareto"]:
         raise ProfileError(f"profile {path}: 'pareto' must be a non-empty list of measured points")
     budget = data["budget"]

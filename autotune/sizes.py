@@ -15,20 +15,28 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 # sizes finite (10**400 bytes overflowed a float, with a traceback; helper-11) and still takes the
 # "unlimited" a serving script may pass (sys.maxsize; cgroup v1's 2**63 - 4096; helper-14).
 MAX_SIZE = 2**63 - 1
-_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
+# Digits bounded, in all under the 640 that int() may be limited to (sys.set_int_max_str_digits):
+# 5000 digits got int()'s own message about that limit. 401 still read, as too large a size.
+_NUMBER = r"\d{1,600}(?:\.\d{1,30})?"
+_SIZE = re.compile(rf"^\s*(-?{_NUMBER})\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
+
+
+def _said(text) -> str:
+    """`text` quoted for a message, cut short where long (a line, not 5000 digits)."""
+    return f"'{text}'" if len(str(text)) <= 24 else f"'{str(text)[:20]}...'"
 
 
 def parse_size(text: str) -> int:
     """Bytes in `text`; ValueError with a readable message when it is not a positive size."""
     match = _SIZE.match(str(text))
     if not match:
-        raise ValueError(f"'{text}' is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)")
+        raise ValueError(f"{_said(text)} is not a memory size (examples: 8GB, 7.5GiB, 8000MiB)")
     # exactly, as written: a float rounded 99999999999999999999999TB to another number of bytes
     number, unit = Fraction(match.group(1)), (match.group(2) or "").lower()
     size = int(number * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"'{text}' is not a positive memory size")
-    check_size(size, f"'{text}'" if len(str(text)) <= 24 else f"'{str(text)[:20]}...'")
+        raise ValueError(f"{_said(text)} is not a positive memory size")
+    check_size(size, _said(text))
     return size
 
 
@@ -42,7 +50,8 @@ def require_unit(text: str, units: tuple[str, ...], examples: str) -> None:
     """ValueError for a bare number other than 0: it would be bytes ("8" is 8 B), which no one
     means for a budget or a margin, so the likely units are named."""
     bare = str(text).strip()
-    if re.fullmatch(r"[\d.]+", bare) and float(bare) != 0:
+    # a number as a size is written ("1.2.3" was float()'s own error; 5000 digits are no size)
+    if re.fullmatch(_NUMBER, bare) and float(bare) != 0:
         raise ValueError(f"'{text}' has no unit: did you mean {' or '.join(bare + u for u in units)}? "
                          f"(examples: {examples}; B for bytes)")
 
@@ -66,9 +75,9 @@ def parse_margin(text: str, budget: int) -> int:
         try:
             percent = float(text[:-1])
         except ValueError:
-            raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
+            raise ValueError(f"{_said(text)} is not a margin (examples: 5%, 512MB, 0)") from None
         if not 0 <= percent < 100:
-            raise ValueError(f"margin '{text}' must be from 0% to under 100%")
+            raise ValueError(f"margin {_said(text)} must be from 0% to under 100%")
         return int(budget * percent / 100)
     zero = _SIZE.match(text)
     if zero and float(zero.group(1)) == 0:  # 0, 0B, 0MB, 0.0: no margin, in any unit
@@ -76,7 +85,7 @@ def parse_margin(text: str, budget: int) -> int:
     try:
         return parse_size(text)
     except ValueError:
-        raise ValueError(f"'{text}' is not a margin (examples: 5%, 512MB, 0)") from None
+        raise ValueError(f"{_said(text)} is not a margin (examples: 5%, 512MB, 0)") from None
 
 
 def fits(peak: int, margin: str, budget: int) -> bool:
@@ -103,6 +112,8 @@ def smallest_budget(peak: int, margin: str) -> int:
 def format_size(size: int | None) -> str:
     if size is None:
         return "-"
+    if abs(size) > MAX_SIZE:  # no memory's size, and 10**400 / 2**30 overflowed a float
+        return "over 2**63 - 1 B" if size > 0 else "below -(2**63 - 1) B"
     for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= factor:
             return f"{size / factor:.2f} {unit}"

@@ -16,6 +16,13 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is an int to Python
 
 
+def _finite(number) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int past any float (10**400): no scale a pipeline takes
+        return False
+
+
 def initial_noise(pipe, batch_size: int, height: int, width: int, generator):
     """A call's starting latents as the pipeline's prepare_latents draws them (shape, Flux's
     packing), but drawn in float32 and then cast to the denoiser's dtype. Drawn by the pipeline,
@@ -103,7 +110,7 @@ class Workload:
             raise ValueError(f"prompt is not valid UTF-8 text: '{shown}'") from None
         scale = self.guidance_scale
         number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-        if scale is not None and not (number and math.isfinite(scale)):
+        if scale is not None and not (number and _finite(scale)):
             raise ValueError(f"guidance_scale must be a number or null, not {scale!r:.40}")
 
     @classmethod

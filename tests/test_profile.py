@@ -671,6 +671,74 @@ def test_a_saved_profile_has_no_yaml_aliases(written):
     assert load_profile(written).data == doc
 
 
+@pytest.mark.parametrize("old, new, message", [
+    # valid YAML whose value the constructor cannot convert: its ValueError was a traceback in
+    # every reader (show, verify, report, load_profile, --warm-start, --space)
+    ("name: s\n", "name: 2026-02-30\n",
+     "not valid YAML at line 150 ('2026-02-30' cannot be read as !!timestamp: day is out of range for month)"),
+    ("trials: 6\n", "trials: !!int abc\n", "not valid YAML at line 151 ('abc' cannot be read as !!int)"),
+    ("trials: 6\n", "trials: !!float abc\n", "not valid YAML at line 151 ('abc' cannot be read as !!float)"),
+    ("trials: 6\n", "trials: !!bool abc\n", "not valid YAML at line 151 ('abc' cannot be read as !!bool)"),  # a KeyError
+    ("trials: 6\n", f"trials: {'1' * 5000}\n",
+     f"not valid YAML at line 151 ('{'1' * 36}...' cannot be read as !!int: 5000 digits, over the 4300 Python reads)"),
+])
+def test_a_value_yaml_cannot_convert_is_one_line(written, old, new, message):
+    text = written.read_text()
+    assert text.splitlines()[149:151] == ["  name: s", "  trials: 6"]
+    written.write_text(text.replace(old, new))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(written)
+    assert str(exc.value) == f"profile {written}: {message} (corrupt or truncated?)"
+    assert "set_int_max_str_digits" not in str(exc.value)
+
+
+def test_a_value_yaml_cannot_convert_is_one_line_from_the_cli(written):
+    written.write_text(written.read_text().replace("name: s\n", "name: 2026-02-30\n"))
+    proc = run_cli("show", written.name, cwd=written.parent)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"autotune: error: profile {written.name}: not valid YAML at line 150 ")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+LAUGHS = "".join(f"x{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'lol'] * 10)}]\n" for i in range(9))
+
+
+@pytest.mark.parametrize("change, message", [
+    # nine nested aliases in 1.3 KB: a billion strings when `show` printed the choice (memory
+    # exhausted), or when load_profile compared a machine name
+    (lambda text: LAUGHS + text.replace("choice: null", "choice: *a8"),
+     'with the alias *a4 at line 6, aliases repeat over 1,000,000 values and characters (a "billion laughs"?): '
+     "write the values out"),
+    # a cycle: it loaded, and apply() raised "Circular reference detected"
+    (lambda text: "denoiser_config: &d {in_channels: 4, self: *d}\n" + text,
+     "the alias *d at line 1 is inside the value it names: a cycle, which no reader can follow"),
+])
+def test_yaml_aliases_that_expand_far_or_make_a_cycle_are_refused(written, change, message):
+    written.write_text(change(written.read_text()))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(written)
+    assert str(exc.value) == f"profile {written}: {message}"
+
+
+def test_yaml_aliases_that_repeat_little_are_read(tmp_path):
+    # yaml.safe_dump writes one for an object a document holds twice: a profile a script wrote
+    doc = document()
+    text = yaml.safe_dump(doc, sort_keys=False)
+    assert "&id001" in text and "*id001" in text
+    (tmp_path / "p.yaml").write_text(text)
+    assert load_profile(tmp_path / "p.yaml").data == doc
+    # the loader is the search spaces' too
+    from autotune.errors import SpaceError, read_yaml
+
+    space = tmp_path / "space.yaml"
+    space.write_text("dtype: &d [float32, bfloat16]\nchannels_last: *d\n")
+    assert read_yaml(space, "search space", SpaceError) == {"dtype": ["float32", "bfloat16"]} | {
+        "channels_last": ["float32", "bfloat16"]}
+    space.write_text(LAUGHS)
+    with pytest.raises(SpaceError, match=r"^search space .*space.yaml: with the alias \*a4 at line 6, aliases repeat"):
+        read_yaml(space, "search space", SpaceError)
+
+
 def test_repr_is_one_short_line(written):
     # the dataclass repr printed the whole document
     assert repr(load_profile(written)) == f"<Profile tiny-sd15, budget 4.00 GiB, cpu, best 0.100 s, {written}>"
@@ -1111,6 +1179,17 @@ def test_names_in_brackets_are_shown_as_they_are(tmp_path):
     assert "[/bold] box :cross_mark:" in proc.stdout + proc.stderr  # the machine, named where it differs
 
 
+def test_show_prints_no_terminal_escapes_from_a_profile(tmp_path):
+    # rich passes ESC through: a machine name retitled the terminal, a choice cleared it
+    doc = document()
+    doc["machine"]["name"] = "AMD \x1b[31mRED\x1b]0;pwned\a\x1b[0m"
+    doc["study"].update(choice="\x1b[2J\x1b[Hcleared", name="s\x9b31m", storage="line\nbreak")
+    text = show(load_profile(profile_io.save(doc, tmp_path / "p.yaml"), check_fingerprint=False))
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", text)  # no control character but the lines' ends
+    assert r"machine: AMD \x1b[31mRED\x1b]0;pwned\x07\x1b[0m (cpu)" in text
+    assert "  choice: \\x1b[2J\\x1b[Hcleared\n" in text and r"  study: s\x9b31m in line\nbreak:" in text
+
+
 def test_a_failed_replay_shows_no_replayed_figures(written):
     """A replay whose model did not load still reported where it stopped (429 MiB), and verify's
     table set it beside the recorded peak as a ratio of 0.877, which reads as a saving."""
@@ -1303,6 +1382,12 @@ def test_nvml_finds_a_gpu_by_its_uuid_as_torch_nvml_or_cuda_write_it():
 
 @pytest.mark.parametrize("where, value, message", [
     (("budget", "memory_bytes"), 1e308, "budget.memory_bytes is too large for a memory size"),  # an OverflowError
+    # past any float: OverflowErrors in math.isfinite (show, report, load_profile) and in the
+    # mismatch line's format_size
+    (("workload", "guidance_scale"), 10**400, "workload.guidance_scale must be a number or null, not 1000"),
+    (("machine", "memory_bytes"), 10**400,
+     "machine.memory_bytes must be a positive number of bytes (2**63 - 1 at most) or null, not 1000"),
+    (("machine", "memory_bytes"), "16GB", "machine.memory_bytes must be a positive number of bytes"),
     (("best", "trial"), [1], "best.trial must be a trial number (0 or more) or null, not [1]"),  # the report's TypeError
     (("baseline", "trial"), {"a": 1}, "baseline.trial must be a trial number"),
     (("best", "trial"), True, "best.trial must be a trial number"),

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from autotune.sizes import format_size, parse_budget, parse_margin, parse_size, require_unit, short_size
@@ -111,3 +113,27 @@ def test_a_front_says_how_much_more_a_point_holds_where_its_size_reads_as_the_on
     assert front_sizes(peaks) == ["859.00 MiB", "859.00 MiB (+4.00 KiB)", "859.01 MiB", "861.00 MiB"]
     assert front_sizes([]) == []
     assert front_sizes([859 * mib, 859 * mib]) == ["859.00 MiB", "859.00 MiB"]  # a best off the front, at a peak on it
+
+
+@pytest.mark.parametrize("text", ["1" * 5000, "1." + "1" * 5000 + "GB", "-" + "1" * 5000])
+def test_a_size_of_thousands_of_digits_is_no_size(text):
+    # int()'s own message, about sys.set_int_max_str_digits; the text cut short in the message
+    with pytest.raises(ValueError, match=re.escape(f"'{text[:20]}...' is not a memory size (examples")):
+        parse_budget(text)
+    with pytest.raises(ValueError, match="too large for a memory size"):  # 401 digits: still read, and too large
+        parse_size("1" + "0" * 400 + "TB")
+
+
+@pytest.mark.parametrize("text", ["1.2.3", "1" * 5000])
+def test_a_margin_that_is_no_number_is_no_margin(text):
+    # require_unit read "1.2.3" with float(): Python's "could not convert string to float"
+    require_unit(text, ("%", "GB"), "5%, 512MB, 0")  # no number, so not "has no unit"
+    with pytest.raises(ValueError, match="is not a margin"):
+        parse_margin(text, 2**30)
+
+
+def test_a_size_past_any_memory_is_formatted():
+    # 10**400 / 2**30 overflowed a float
+    assert format_size(10**400) == "over 2**63 - 1 B"
+    assert format_size(-(10**400)) == "below -(2**63 - 1) B"
+    assert format_size(2**63 - 1) == "8589934592.00 GiB"
