@@ -42,8 +42,9 @@ def pick(items: list[T], latency: Callable[[T], float], latencies: Callable[[T],
     on its one measurement, as any pick does without confirmation: a resume with `--confirm 0`,
     a `--timeout` that ended confirmation early, a front point below a study's pick that was
     never a contender); else `simplest_within_noise` among those measured again (`confirmed`).
-    The one rule of the study's pick and of a profile's for a smaller budget: the pick is on the
-    front whatever was confirmed."""
+    The one rule of the study's pick and of a profile's for a smaller budget: no config left
+    unconfirmed stands on the front faster than the pick (a simpler config kept within noise may
+    stand off the front, beside the faster one its note names)."""
     fastest = min(items, key=latency)
     if not confirmed(fastest):
         return fastest

@@ -544,13 +544,7 @@ def _tune(args, argv: list[str]) -> int:
     # read before anything is made: a source that does not read leaves no storage file behind
     warm_start = _warm_start_configs(args.warm_start, args.storage or default_storage(args.workdir), spec.name)
     if args.list_knobs:
-        with _undone_if_refused(args.workdir, args.output, always=True):  # a listing leaves no folder
-            storage, output = _storage_and_output(args, spec, budget)
-            if args.output:  # a file that is no profile (the default name's other run is no option given)
-                _check_output_replaceable(output, study_name, default_named=False)
-        # the URL and a folder in its place, not check_opens: that makes the SQLite or journal
-        # file, and waits out a server that does not answer
-        check_file(storage, must_exist=False)
+        _check_listing_options(args, study_name)
         console.print_space(space, target)
         return 0
     with _undone_if_refused(args.workdir, args.output):
@@ -693,6 +687,27 @@ def _storage_and_output(args, spec, budget: int) -> tuple[str, Path | None]:
         _check_not_the_storage(output, storage)
         check_writable(output)
     return storage, output
+
+
+def _check_listing_options(args, study_name: str) -> None:
+    """The options given to --list-knobs that the run would refuse: the storage, the work
+    folder, the output path. Those given only: a listing writes nothing, and runs in a folder it
+    cannot write to (where the run's defaults would be refused). Not check_opens: that makes the
+    SQLite or journal file, and waits out a server that does not answer."""
+    from .profile import check_writable
+
+    storage = args.storage or default_storage(args.workdir)
+    workdir = args.workdir if Path(args.workdir) != Path(DEFAULT_WORKDIR) else None
+    with _undone_if_refused(workdir, args.output, always=True):  # what the checks make, removed
+        if workdir is not None:
+            _check_folder(workdir)
+        if args.storage:
+            _check_storage_keeps(storage)
+            check_file(storage, must_exist=False)  # the URL, and no folder in its place
+        if args.output:  # a file that is no profile (the default name's other run is no option given)
+            _check_not_the_storage(args.output, storage)
+            check_writable(args.output)
+            _check_output_replaceable(args.output, study_name, default_named=False)
 
 
 def _print_notes(out, request, machine: dict, earlier: dict) -> None:

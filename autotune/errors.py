@@ -86,14 +86,14 @@ def _unique_key_loader():
     class Loader(yaml.SafeLoader):
         def __init__(self, stream):
             super().__init__(stream)
-            self.open_anchors, self.sizes, self.composed, self.repeated = set(), {}, 0, 0
+            self.sizes, self.composed, self.repeated = {}, 0, 0  # sizes: each anchor's, once composed
 
         def compose_node(self, parent, index):
             # values and characters composed, an alias's anchor counted again for each alias
             event = self.peek_event()
             if isinstance(event, yaml.AliasEvent):
                 name, line = event.anchor, event.start_mark.line + 1
-                if name in self.open_anchors:
+                if name in self.anchors and name not in self.sizes:  # the composer holds it from its start
                     raise Alias(None, None, f"the alias *{name} at line {line} is inside the value it names: "
                                 "a cycle, which no reader can follow", event.start_mark)
                 size = self.sizes.get(name, 0)  # 0: an undefined alias, said by the composer
@@ -106,12 +106,9 @@ def _unique_key_loader():
                 return super().compose_node(parent, index)
             name, start = event.anchor, self.composed
             self.composed += 1 + (len(event.value) if isinstance(event, yaml.ScalarEvent) else 0)
-            if name is None:
-                return super().compose_node(parent, index)
-            self.open_anchors.add(name)
             node = super().compose_node(parent, index)
-            self.open_anchors.discard(name)
-            self.sizes[name] = self.composed - start
+            if name is not None:
+                self.sizes[name] = self.composed - start
             return node
 
         def construct_object(self, node, deep=False):
@@ -124,7 +121,7 @@ def _unique_key_loader():
             except (ValueError, ArithmeticError, LookupError, AttributeError) as exc:
                 tag = node.tag.replace("tag:yaml.org,2002:", "!!")
                 shown = node.value if len(node.value) <= 40 else node.value[:36] + "..."
-                digits, limit = sum(c.isdigit() for c in node.value), sys.get_int_max_str_digits()
+                digits, limit = sum(c.isdigit() for c in node.value), getattr(sys, "get_int_max_str_digits", int)()
                 if tag == "!!int" and limit and digits > limit:  # not int()'s advice to raise the limit
                     reason = f": {digits} digits, over the {limit} Python reads"
                 elif tag == "!!timestamp" and isinstance(exc, ValueError):  # datetime's words are a person's
@@ -195,5 +192,5 @@ def read_yaml(path, what: str, error: type[AutotuneError], hint: str = ""):
         raise error(f"{what} {path}: not valid YAML{at}{hint}") from None
     except RecursionError:  # PyYAML composes nested collections recursively: 1000 '[' end it so
         raise error(f"{what} {path}: not valid YAML (nested too deeply){hint}") from None
-    except (ValueError, OverflowError) as exc:  # the loader's BadValue says a scalar's; any other conversion
+    except (TypeError, ValueError) as exc:  # a collection its tag cannot take: `!!map [1]` unpacked a sequence as pairs
         raise error(f"{what} {path}: not valid YAML ({first_line(exc)}){hint}") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import stat
 import tempfile
@@ -36,7 +35,7 @@ from .knobs.precision import DTYPES
 from .models import (FAMILIES, ModelSpec, check_weights_here, component_classes, denoiser_config, pipeline_class_here,
                      spec_problem)
 from .sizes import MAX_SIZE, check_size, fits, format_size, parse_budget, parse_margin
-from .workload import Workload
+from .workload import Workload, is_number
 
 FORMAT_VERSION = 1
 # Fingerprint keys whose difference makes the measured figures doubtful here.
@@ -233,11 +232,11 @@ class Profile:
         # from a partial document lacks a field, rather than an error from repr.
         d = self.data
         best = (d.get("best") or {}).get("latency_s")
-        latency = f"{best:.3f} s" if _is_number(best) else "?"
+        latency = f"{best:.3f} s" if is_number(best) else "?"
         model = (d.get("model") or {}).get("name", "?")
         device = (d.get("machine") or {}).get("device", "?")
         budget = (d.get("budget") or {}).get("memory_bytes")
-        budget = format_size(budget) if _is_number(budget) else "?"
+        budget = format_size(budget) if is_number(budget) else "?"
         return f"<Profile {model}, budget {budget}, {device}, best {latency}, {self.path or 'no file'}>"
 
     # ---- what it says -------------------------------------------------------------------------
@@ -293,7 +292,7 @@ class Profile:
                 return parse_budget(budget_bytes)  # as --vram reads it: "6" is no budget
             except ValueError as exc:
                 raise ProfileError(f"budget_bytes: {exc}") from None
-        if not _is_number(budget_bytes) or budget_bytes < 1:
+        if not is_number(budget_bytes) or budget_bytes < 1:
             raise ProfileError(f"budget_bytes must be a positive number of bytes or a size such as "
                                f"'6GB', not {budget_bytes!r:.40}")
         try:
@@ -311,7 +310,7 @@ class Profile:
         """Whether a peak plus the profile's safety margin is within `budget_bytes` (bytes, or a
         size such as "6GB"; by default the profile's own budget): the rule the study judged its
         trials by."""
-        if not _is_number(peak_bytes) or peak_bytes < 0:  # else "x" is a TypeError and -1 fits
+        if not is_number(peak_bytes) or peak_bytes < 0:  # else "x" is a TypeError and -1 fits
             raise ProfileError(f"peak_bytes must be a number of bytes, 0 or more, not {peak_bytes!r:.40}")
         return fits(peak_bytes, self.margin, self._budget(budget_bytes))
 
@@ -592,16 +591,6 @@ OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline", "denoiser_confi
 OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs_baseline")
 
 
-def _is_number(value) -> bool:
-    """A real, finite number: not a bool (YAML's true is an int to Python), not text."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int past any float (10**400): no figure autotune writes, and show's format fails on it
-        return False
-
-
 def _check_measurement(measured: dict, path) -> None:
     """How the figures were measured, which `autotune verify` replays: counts of 1 or more and a
     positive spread, or null (absent: the replay takes trial_request's defaults)."""
@@ -611,7 +600,7 @@ def _check_measurement(measured: dict, path) -> None:
             raise ProfileError(f"profile {path}: measurement.{key} must be a whole number, 1 or more, "
                                f"or null, not {value!r:.40}")
     spread = measured.get("spread_limit")
-    if spread is not None and (not _is_number(spread) or spread <= 0):
+    if spread is not None and (not is_number(spread) or spread <= 0):
         raise ProfileError(f"profile {path}: measurement.spread_limit must be a positive fraction "
                            f"(0.05 for 5%) or null, not {spread!r:.40}")
 
@@ -640,13 +629,13 @@ def _check_point(point, where: str, path, hint: str = "") -> None:
     if not isinstance(point["config"], dict):
         raise ProfileError(f"profile {path}: {where}.config must be a mapping of knob: value")
     for key in ("latency_s", "peak_memory_bytes"):
-        if not _is_number(point[key]) or point[key] <= 0:  # measured: seconds and bytes above zero
+        if not is_number(point[key]) or point[key] <= 0:  # measured: seconds and bytes above zero
             raise ProfileError(f"profile {path}: {where}.{key} must be a positive number, not {point[key]!r:.40}")
     trial = point.get("trial")  # the report matches points by it: a list there was a TypeError
     if trial is not None and (type(trial) is not int or trial < 0):
         raise ProfileError(f"profile {path}: {where}.trial must be a trial number (0 or more) or null, not {trial!r:.40}")
     for key in OPTIONAL_POINT_NUMBERS:
-        if point.get(key) is not None and not _is_number(point[key]):
+        if point.get(key) is not None and not is_number(point[key]):
             raise ProfileError(f"profile {path}: {where}.{key} must be a number or null, not {point[key]!r:.40}")
     for key in ("p90_s", "cold_start_s", "speedup_vs_baseline"):  # "-1.00x the baseline" in show
         if point.get(key) is not None and point[key] < 0:
@@ -660,7 +649,7 @@ def _check_point(point, where: str, path, hint: str = "") -> None:
     for key in ("latencies_s", "quiet_latencies_s"):  # a confirmed point's trial medians, read by `choose`
         latencies = point.get(key)
         if latencies is not None and not (isinstance(latencies, list) and latencies
-                                          and all(_is_number(v) for v in latencies)):
+                                          and all(is_number(v) for v in latencies)):
             raise ProfileError(f"profile {path}: {where}.{key} must be a list of numbers or null, "
                                f"not {latencies!r:.40}")
     try:
@@ -700,19 +689,19 @@ def validate(data, path) -> None:
         raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N), "
                            f"not {data['machine'].get('device')!r:.40}")
     memory = data["machine"].get("memory_bytes")  # a mismatch line shows it as a size: 10**400 overflowed there
-    if memory is not None and (not _is_number(memory) or memory <= 0 or memory > MAX_SIZE):
+    if memory is not None and (not is_number(memory) or memory <= 0 or memory > MAX_SIZE):
         raise ProfileError(f"profile {path}: machine.memory_bytes must be a positive number of bytes "
                            f"(2**63 - 1 at most) or null, not {memory!r:.40}")
     if not isinstance(data["pareto"], list) or not data["pareto"]:
         raise ProfileError(f"profile {path}: 'pareto' must be a non-empty list of measured points")
     budget = data["budget"]
-    if not _is_number(budget.get("memory_bytes")) or budget["memory_bytes"] <= 0:
+    if not is_number(budget.get("memory_bytes")) or budget["memory_bytes"] <= 0:
         raise ProfileError(f"profile {path}: budget.memory_bytes must be a positive number of bytes")
     try:
         check_size(budget["memory_bytes"], "budget.memory_bytes")
     except ValueError as exc:
         raise ProfileError(f"profile {path}: {exc}") from None
-    if budget.get("margin_bytes") is not None and not _is_number(budget["margin_bytes"]):
+    if budget.get("margin_bytes") is not None and not is_number(budget["margin_bytes"]):
         raise ProfileError(f"profile {path}: budget.margin_bytes must be a number or null")
     problem = spec_problem(data["model"])
     if problem:

@@ -190,7 +190,9 @@ def _after_own_saver(root, order: tuple) -> int:
     """Where a root's walk through the savers starts: after the saver that made it, where it is a
     step of a chain (a step that ran faster than its parent is a root before its parent is), as
     its chain would walk on from it; the savers before were added, did not apply, or were dropped
-    on its way. From the first for any other root."""
+    on its way. From the first for any other root, and for a step whose saver this list no longer
+    holds (a study an autotune with other savers measured: its chain may then try again a saver
+    it dropped)."""
     adds = (root.repair or {}).get("adds")
     made_by = [index for index, (knob, value, _) in enumerate(order) if f"{knob}={value}" == adds]
     return made_by[0] + 1 if made_by else 0

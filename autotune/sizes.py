@@ -15,9 +15,10 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 # sizes finite (10**400 bytes overflowed a float, with a traceback; helper-11) and still takes the
 # "unlimited" a serving script may pass (sys.maxsize; cgroup v1's 2**63 - 4096; helper-14).
 MAX_SIZE = 2**63 - 1
-# Digits bounded, in all under the 640 that int() may be limited to (sys.set_int_max_str_digits):
-# 5000 digits got int()'s own message about that limit. 401 still read, as too large a size.
-_NUMBER = r"\d{1,600}(?:\.\d{1,30})?"
+# Digits bounded, each part under the 640 that int() may be limited to (sys.set_int_max_str_digits;
+# Fraction reads the whole and the decimal part apart): 5000 digits got int()'s own message about
+# that limit. 401 still read, as too large a size; 40 decimals as before.
+_NUMBER = r"\d{1,600}(?:\.\d{1,600})?"
 _SIZE = re.compile(rf"^\s*(-?{_NUMBER})\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 
 

@@ -936,7 +936,7 @@ def check_stored_request(attr: dict) -> None:
         raise ValueError(f"model {attr['model']!r:.40} is not a mapping")
     if "workload" in attr:
         try:
-            Workload.from_dict(attr["workload"])
+            Workload.from_dict(attr["workload"]).check()  # its values too: a list height was a TypeError
         except ValueError as exc:
             raise ValueError(f"workload {exc}") from None
     budget = attr.get("budget_bytes")

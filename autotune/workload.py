@@ -16,10 +16,14 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is an int to Python
 
 
-def _finite(number) -> bool:
+def is_number(value) -> bool:
+    """A real, finite number: not a bool (YAML's true is an int to Python), not text. (The
+    profile's figures are checked with it too.)"""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
     try:
-        return math.isfinite(number)
-    except OverflowError:  # an int past any float (10**400): no scale a pipeline takes
+        return math.isfinite(value)
+    except OverflowError:  # an int past any float (10**400): no figure autotune writes, and formats fail on it
         return False
 
 
@@ -109,8 +113,7 @@ class Workload:
             shown = self.prompt.encode("utf-8", "backslashreplace").decode()[:60]
             raise ValueError(f"prompt is not valid UTF-8 text: '{shown}'") from None
         scale = self.guidance_scale
-        number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-        if scale is not None and not (number and _finite(scale)):
+        if scale is not None and not is_number(scale):
             raise ValueError(f"guidance_scale must be a number or null, not {scale!r:.40}")
 
     @classmethod

@@ -518,11 +518,18 @@ def test_list_knobs_refuses_the_options_the_run_would_refuse(cli, tmp_path, args
     assert message in one_line_error(cli("--model", "tiny-sd15", *args, "--list-knobs"))
 
 
-def test_list_knobs_checks_the_output_and_work_folders_and_leaves_neither(cli, tmp_path):
+def test_list_knobs_checks_the_folders_given_leaves_none_and_lists_where_nothing_can_be_written(cli, tmp_path):
     # the run's checks make the folders that are missing; a listing writes nothing
-    proc = cli("--model", "tiny-sd15", "-o", "a/b/p.yaml", "--list-knobs")
+    proc = cli("--model", "tiny-sd15", "-o", "a/b/p.yaml", "--workdir", "w/x", "--list-knobs")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # a --workdir given that takes no file is refused, as the run refuses it
+    line = one_line_error(cli("--model", "tiny-sd15", "--workdir", "/proc/w", "--list-knobs"))
+    assert "cannot write /proc/w" in line
+    # but with none given, the run's default folder is not the listing's to check: /proc lists
+    # (it was refused there: "cannot write /proc/autotune-studies")
+    proc = run_cli("--model", "tiny-sd15", "--list-knobs", cwd="/proc")
+    assert proc.returncode == 0 and "dtype" in proc.stdout, proc.stderr
 
 
 def test_list_knobs_says_how_many_seeds_were_left_out(cli, tmp_path):

@@ -681,6 +681,8 @@ def test_a_saved_profile_has_no_yaml_aliases(written):
     ("trials: 6\n", "trials: !!bool abc\n", "not valid YAML at line 151 ('abc' cannot be read as !!bool)"),  # a KeyError
     ("trials: 6\n", f"trials: {'1' * 5000}\n",
      f"not valid YAML at line 151 ('{'1' * 36}...' cannot be read as !!int: 5000 digits, over the 4300 Python reads)"),
+    # a collection its tag cannot take: a TypeError from the constructor's unpacking
+    ("trials: 6\n", "trials: !!map [1]\n", "not valid YAML (cannot unpack non-iterable ScalarNode object)"),
 ])
 def test_a_value_yaml_cannot_convert_is_one_line(written, old, new, message):
     text = written.read_text()

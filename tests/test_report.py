@@ -724,6 +724,7 @@ def test_studies_autotune_did_not_make_are_left_out_or_refused(tmp_path):
 @pytest.mark.parametrize("field, value, said", [
     ("model", [1], "model [1] is not a mapping"),
     ("workload", [1], "workload must be a mapping of height, width, steps"),
+    ("workload", {"height": [64], "width": 64, "steps": 1}, "workload height must be a positive multiple of 8"),
     ("budget_bytes", "x", "budget_bytes 'x' is not a positive number of bytes"),
     ("device", ["cpu"], "device ['cpu'] is not cpu, cuda or cuda:N"),
     ("margin", "abc", "'abc' is not a margin"),
