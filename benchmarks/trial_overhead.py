@@ -19,9 +19,10 @@ from autotune.knobs import baseline
 from autotune.models import resolve_model
 
 
-def overhead(result: dict) -> tuple[float, float]:
+def overhead(result: dict) -> tuple[float, float, float]:
+    """The trial's overhead, its wall time and its latency (the median of its timed calls)."""
     inside = sum(result["warmup_s"]) + sum(result["latencies_s"])  # every pipeline call
-    return result["wall_s"] - inside, result["wall_s"]
+    return result["wall_s"] - inside, result["wall_s"], result["latency_s"]
 
 
 def main() -> None:
@@ -43,14 +44,19 @@ def main() -> None:
                 rows[launcher].append(overhead(result))
 
     print(f"{args.model}, {args.trials} trials per launcher, {args.repeats} timed calls + 1 warm-up each")
-    print(f"{'launcher':8} {'overhead s (median)':>20} {'wall s (median)':>16} {'overhead share':>15}")
-    medians = {}
+    # the trials' own latency beside: a forked trial and a fresh interpreter (as `autotune verify`
+    # and a serving process run) should time the same call alike
+    print(f"{'launcher':8} {'overhead s (median)':>20} {'wall s (median)':>16} {'overhead share':>15} "
+          f"{'latency s (median)':>19}")
+    medians, latencies = {}, {}
     for launcher, values in rows.items():
         over = statistics.median(v[0] for v in values)
         wall = statistics.median(v[1] for v in values)
-        medians[launcher] = over
-        print(f"{launcher:8} {over:20.2f} {wall:16.2f} {over / wall:14.0%}")
-    print(f"overhead ratio spawn / fork: {medians['spawn'] / medians['fork']:.1f}x")
+        medians[launcher], latencies[launcher] = over, statistics.median(v[2] for v in values)
+        print(f"{launcher:8} {over:20.2f} {wall:16.2f} {over / wall:14.0%} {latencies[launcher]:19.3f}")
+    print(f"overhead ratio spawn / fork: {medians['spawn'] / medians['fork']:.1f}x; latency spawn / fork: "
+          f"{latencies['spawn'] / latencies['fork']:.3f}x (spawn slower in {sum(s[2] > f[2] for f, s in zip(rows['fork'], rows['spawn']))} "
+          f"of {args.trials} pairs)")
 
 
 if __name__ == "__main__":
