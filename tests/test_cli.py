@@ -678,13 +678,16 @@ def test_tune_writes_a_profile_and_resumes(cli, tmp_path):
                        key=lambda t: (not t.user_attrs.get("seed"), t.user_attrs["result"]["latency_s"]))
     contenders += [t.number for t in disturbed[:3]]
     confirmed = stored_study(tmp_path).user_attrs.get("confirmations", {})
-    assert len(contenders) > 1, [t.user_attrs["result"]["latency_s"] for t in feasible]
-    assert sorted(map(int, confirmed)) == sorted(contenders)
+    # one contender alone: nothing to choose between, none measured again (study._unconfirmed).
+    # Rare with these configs, which mostly ran within a few percent of each other; on a 2-core
+    # EPYC in CI one ran 1.55x faster than the other two (0.056 against 0.086 and 0.087 s)
+    expected = contenders if len(contenders) > 1 else []
+    assert sorted(map(int, confirmed)) == sorted(expected), [t.user_attrs["result"]["latency_s"] for t in feasible]
     results = {t.number: t.user_attrs["result"] for t in trials}
     assert rounds_as_the_study_gives(results, confirmed), confirmed
     again = [line for line in proc.stdout.splitlines() if line.startswith("again ")]
     assert len(again) == sum(map(len, confirmed.values()))
-    assert str(profile["best"]["trial"]) in confirmed
+    assert not expected or str(profile["best"]["trial"]) in confirmed
     by_number = {t.number: t for t in trials}
     for point in [profile["best"], *profile["pareto"]]:
         if str(point["trial"]) in confirmed:
