@@ -161,7 +161,7 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
                 return False  # measured now or queued: wait for it
             child = by_key.get(key) or dominated_by(config)
             if child is None:
-                return Repair(config, base.number, f"{saver[0]}={saver[1]}")
+                return Repair(config, base.number, _named(saver))
             if child.feasible:
                 return False  # repaired
             # over the budget still (measured, or out of memory where its parent was fast): the next saver on it
@@ -186,6 +186,12 @@ def next_repair(records: list, pending: set[str], space: SearchSpace, is_cuda: b
     return None
 
 
+def _named(saver: tuple) -> str:
+    """A saver as a repair's `adds` records it: "knob=value"."""
+    knob, value, _ = saver
+    return f"{knob}={value}"
+
+
 def _after_own_saver(root, order: tuple) -> int:
     """Where a root's walk through the savers starts: after the saver that made it, where it is a
     step of a chain (a step that ran faster than its parent is a root before its parent is), as
@@ -194,7 +200,7 @@ def _after_own_saver(root, order: tuple) -> int:
     holds (a study an autotune with other savers measured: its chain may then try again a saver
     it dropped)."""
     adds = (root.repair or {}).get("adds")
-    made_by = [index for index, (knob, value, _) in enumerate(order) if f"{knob}={value}" == adds]
+    made_by = [index for index, saver in enumerate(order) if _named(saver) == adds]
     return made_by[0] + 1 if made_by else 0
 
 
