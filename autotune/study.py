@@ -846,7 +846,9 @@ def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
 
 def request_differences(held: dict, asked: dict) -> str:
     """What differs, of what a study's measurements mean (DEFINING), between the request `held`
-    by a study and the one `asked` (each as _request_attr writes it): "" when nothing does."""
+    by a study and the one `asked` (each as _request_attr writes it): "" when nothing does.
+    Only the keys `held` has: a study an older autotune wrote, before a key joined DEFINING (the
+    space, min_psnr_db), resumes. settings_that_differ, between two stored requests, takes both's."""
     wanted = _defining(asked)
     differ = [k for k, value in _defining(held).items() if value != wanted.get(k)]
     return "; ".join(_space_difference(held[k], asked[k]) if k == "space" else
@@ -1003,7 +1005,8 @@ def _setting_up_alone(workdir: Path, on_step: Callable[[str], None]):
     quality guard (helper-12). The one that waits then finds the reference made and the guard set. A file lock
     (filelock, which torch itself requires): the OS frees it when its holder dies, SIGKILL too.
     Where the folder's file system takes no lock (NFS without its lock daemon), the set-up goes
-    on without it, as before there was one."""
+    on without it, as before there was one. The lock file stays in the folder: one removed on
+    release could be the file a waiting worker has open, and two workers would hold two locks."""
     import filelock
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,10 @@ REQUIRED = ("height", "width", "steps")
 # What torch.Generator.manual_seed takes: a 64-bit int, signed or not (a negative one as unsigned).
 SEEDS = range(-(2**63), 2**64)
 MAX_STEPS = 10_000  # denoising steps of one call at most: schedulers train on 1000 timesteps
+# Pixels a side at most: a 268-megapixel image, whose float32 decode alone is 3 GiB. A larger
+# side is a typo (--height 80000000 ran its reference call until the host-memory guard stopped
+# it) or a hand-edited profile, refused before anything is built.
+MAX_SIDE = 16_384
 
 
 def _whole(value) -> bool:
@@ -97,6 +101,8 @@ class Workload:
             value = getattr(self, name)
             if not _whole(value) or value <= 0 or value % pixel_multiple:
                 raise ValueError(f"{name} must be a positive multiple of {pixel_multiple} pixels, not {value!r:.40}")
+            if value > MAX_SIDE:
+                raise ValueError(f"{name} must be {MAX_SIDE} pixels at most, not {value!r:.40}")
         for name in ("steps", "batch_size"):
             value = getattr(self, name)
             if not _whole(value) or value < 1:

@@ -92,6 +92,8 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(tmp_path):
         (["--trials", "0"], "must be at least 1"),
         (["--steps", "zero"], "not a whole number"),
         (["--steps", "99999999999999999999"], "--steps must be 10000 at most"),  # every trial failed
+        # ran its reference call until the host-memory guard stopped it
+        (["--height", "80000000"], "--height must be 16384 pixels at most, not 80000000"),
         (["--device", "tpu"], "'tpu' is not a device: expected cuda, cuda:N or cpu"),
         (["--gpus", "99"], "--gpus: no"),  # no CUDA here, or no GPU 99 on a GPU machine
         (["--margin", "lots"], "not a margin"),

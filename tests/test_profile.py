@@ -998,6 +998,7 @@ def _set(section, key=None, value=None):
         # the workload: a replay failed late, in string formatting, a division, a reshape
         (_set("workload", "height", "abc"), "workload.height must be a positive multiple of 8 pixels, not 'abc'"),
         (_set("workload", "width", 100), "workload.width must be a positive multiple of 8 pixels, not 100"),
+        (_set("workload", "height", 8 * 10**400), "workload.height must be 16384 pixels at most, not 80000"),
         (_set("workload", "steps", 0), "workload.steps must be a whole number, 1 or more, not 0"),
         (_set("workload", "batch_size", 0), "workload.batch_size must be a whole number, 1 or more, not 0"),
         (_set("workload", "seed", 2**64), "workload.seed must be a whole number from -2**63 to 2**64 - 1"),
