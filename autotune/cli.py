@@ -212,13 +212,15 @@ def tune_parser() -> argparse.ArgumentParser:
                    help="start no new trial after this long")
     s.add_argument("--patience", type=_positive_int, metavar="N",
                    help="stop early when the best has not improved by 1%% in N measured trials (not while memory "
-                   "repair has a step to measure)")
+                   "repair has a step to measure, nor while a queued config waits)")
     s.add_argument("--confirm", type=_rounds, default=2, metavar="ROUNDS",
-                   help="once the search stops, measure the fastest feasible configs (up to 3, and the "
-                   "baseline if it is close) again this many times each, in alternation, and up to 3 "
-                   "timed only beside busy neighbours (twice at least); the pick is "
-                   "the lowest median, or a config with fewer changes whose median is within the "
-                   "fastest's spread (default 2; 0: keep the lowest single measurement)")
+                   help="once the search stops, measure the fastest feasible configs (up to 3, the "
+                   "baseline if it is close or was timed under load, any whose one figure beats them) "
+                   "again this many times each, in alternation, and up to 3 timed only beside busy "
+                   "neighbours (twice at least); the pick is the lowest median, or the config with "
+                   "fewest changes whose median is no higher than the fastest's slowest trial; a "
+                   "faster config never measured again is picked on its one figure (default 2; 0: "
+                   "keep the lowest single measurement)")
     s.add_argument("--trial-timeout", type=_positive_float, default=TRIAL_TIMEOUT_S, metavar="SECONDS",
                    help=f"kill a trial after this long (default {TRIAL_TIMEOUT_S:g})")
     s.add_argument("--repeats", type=_positive_int, default=TIMED_CALLS,
