@@ -3,7 +3,7 @@
 # OUT even when stopped at their limit (every stage runs under `timeout`, and the benchmarks write
 # as they go). From the project root, with autotune importable (installed, or on PYTHONPATH):
 #
-#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but workers, compile and pairs, cut at 490 s in all (each part killed 10 s after its stop); log, JUnit XML
+#   bash benchmarks/gpu_check.sh OUT suite     # tests/gpu but workers, pairs and the knobs' compile tests, cut at 490 s in all (each part killed 10 s after its stop); log, JUnit XML
 #   bash benchmarks/gpu_check.sh OUT workers   # tests/gpu's CLI runs on CUDA (--gpus, verify, fork launcher), 560 s
 #   bash benchmarks/gpu_check.sh OUT compile   # tests/gpu's compile tests, cut at 560 s
 #   bash benchmarks/gpu_check.sh OUT pairs     # tests/gpu's pair test (every pair of each family's space), 560 s
@@ -23,6 +23,8 @@ py=${PYTHON:-python3}
 # autotune from this checkout, also where a test or a script starts Python elsewhere (a test's CLI
 # run in its own folder, `python benchmarks/X.py`), when it is not installed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# no network there: a hub call that slipped in fails at once instead of waiting on its retries
+export HF_HUB_OFFLINE=1
 
 # What the stages need beyond torch; a missing one is named here, not minutes into a stage.
 # Checked from another folder: Python puts the current one on the path, where autotune is.
@@ -34,6 +36,8 @@ if missing:
     sys.exit(f"gpu_check: not importable here: {', '.join(missing)}")
 import torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {torch.cuda.device_count()}")
+if not torch.cuda.is_available():  # else tests/gpu skips every test, and the stage passes having shown nothing
+    sys.exit("gpu_check: torch sees no CUDA GPU here")
 PY
 
 case $stage in

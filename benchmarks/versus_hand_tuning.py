@@ -56,9 +56,8 @@ from datetime import datetime
 from pathlib import Path
 
 from autotune.cli import measurement_defaults
-from autotune.measure import TRIAL_TIMEOUT_S
-from autotune.console import config_changes  # how the CLI names a config's changes
-from autotune.measure import busy_cores
+from autotune.console import RULED_OUT_SAID, config_changes  # the CLI's words for a config's changes, and why one is out
+from autotune.measure import TRIAL_TIMEOUT_S, busy_cores
 from autotune.worker import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -546,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             r = record.result
             log(f"  trial {record.number}: {config_changes(record.config)} -> {record.status} "
                 f"{_s(r.get('latency_s'))}, peak {format_size(r.get('peak_memory_bytes'))}, "
-                f"{'feasible' if record.feasible else 'infeasible'}{' (reused)' if r.get('reused') else ''}")
+                f"{'feasible' if record.feasible else 'infeasible'}{_why_out(record)}{' (reused)' if r.get('reused') else ''}")
 
         outcome = tune(req, on_trial=progress, measure=pool)
         entry = {"budget_bytes": budget, "study": name, "stop_reason": outcome.stop_reason,
@@ -647,6 +646,13 @@ def _below(entry) -> str:
 
 def _s(seconds) -> str:
     return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def _why_out(record) -> str:
+    """Why a trial that ran cannot be picked, as the CLI's trial line says it: " (over budget)",
+    " (below the quality guard)"; "" for one that can be or did not run."""
+    reason = record.ruled_out_by
+    return f" ({RULED_OUT_SAID[reason].trial_line})" if reason else ""
 
 
 KEEP = ("status", "latency_s", "p90_s", "spread", "calls", "latencies_s", "first_call_s", "load_s",
