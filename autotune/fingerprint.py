@@ -6,6 +6,7 @@ GPU facts come from NVML, not torch: the tuning parent must not create a CUDA co
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -169,6 +170,21 @@ def capability(device: str) -> tuple[int, int] | None:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this machine's CPU (its first core's:
+    Linux lists every core alike); empty where it lists none (another OS), so that nothing is
+    decided from them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86; Arm's name for them
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _cpu_name() -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 from .errors import SpaceError, read_yaml
 from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, matches
+from .knobs.base import Outrun
 
 SHIPPED_DIR = Path(str(resources.files("autotune") / "search_spaces"))
 
@@ -122,6 +123,8 @@ class SearchSpace:
             kept = []
             for value in dim.choices:
                 reason = knob.unavailable(value, target)
+                if isinstance(reason, Outrun) and reason.by not in dim.choices:
+                    reason = None  # nothing searched here runs it faster: measured, as the space asks
                 if reason:
                     dropped.append(Dropped(dim.name, value, reason))
                 else:
@@ -130,7 +133,7 @@ class SearchSpace:
                 dims.append(Dimension(dim.name, tuple(kept), dim.when))
         # a knob searched under a condition on choices dropped here is never searched either: said
         # so, not listed as searched (`compile_fullgraph` where no compiler runs; helper-15)
-        dims, unmet = _without_unmet(dims, "which does not run here (dropped above)")
+        dims, unmet = _without_unmet(dims, "which is not searched here (dropped above)")
         dropped += unmet
         space = SearchSpace(dims, self.forbid, self.source, dropped, self.seeds, target.family)
         # with choices dropped, and the family's conflicts known, the rules may now leave nothing

@@ -216,6 +216,7 @@ def resolve(contestant: Contestant, target, skip: dict | None = None) -> Contest
     """The contestant's config on `target`: each wanted setting as asked, a stand-in, or left
     out, with the reason in `notes`. `skip`: knobs left out on purpose, with the reason."""
     from autotune.knobs import CATALOGUE, complete, conflict
+    from autotune.knobs.base import Outrun
 
     contestant.notes = [f"run without {what}" for what in contestant.missing]
     config = {}
@@ -227,7 +228,7 @@ def resolve(contestant: Contestant, target, skip: dict | None = None) -> Contest
         chosen, reasons = None, []
         for value in want.values:
             reason = knob.unavailable(value, target)
-            if reason:
+            if reason and not isinstance(reason, Outrun):  # a choice the search leaves out as slow runs as asked
                 reasons.append(f"{want.knob}={value}: {reason}")
                 continue
             chosen = value

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from autotune import AutotuneError
+from autotune import AutotuneError, fingerprint
 from autotune.knobs import APPLY_ORDER, CATALOGUE, CONFLICTS, Target, apply_config, baseline, build_configured, complete, conflict
 from autotune.models import build_pipeline, resolve_model
-from autotune.space import SHIPPED_DIR, SearchSpace
+from autotune.space import SHIPPED_DIR, Dimension, SearchSpace
 from autotune.workload import Workload
 from helpers import build_tiny
 
@@ -171,15 +171,44 @@ def test_fp16_fix_vae_is_sdxl_only_and_never_downloaded(hub_cache):
     assert reason("vae_fp16_fix", True, cpu("sdxl")) is None
 
 
-def test_fp16_fix_vae_replaces_sdxls_vae_and_decodes_in_float16(hub_cache):
+def test_fp16_fix_vae_replaces_sdxls_vae_and_decodes_in_float16(hub_cache, monkeypatch):
     cache_fp16_fix_vae(hub_cache)
     original = build_tiny("sdxl", {"dtype": "float16"})
     assert original.vae.config.force_upcast  # SDXL's own VAE: decoded in float32
     pipe = build_tiny("sdxl", {"dtype": "float16", "vae_fp16_fix": True})
     assert not pipe.vae.config.force_upcast and pipe.vae.dtype == torch.float16
     assert np.isfinite(small_call(pipe)).all()
+    # searched under float16, on a CPU whose flags leave float16 in the search (both native)
+    monkeypatch.setattr(fingerprint, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_fp16"}))
     space = SearchSpace.from_file(SHIPPED_DIR / "sdxl.yaml").restrict(cpu("sdxl"))
     assert {d.name: d.when for d in space.dimensions}["vae_fp16_fix"] == {"dtype": "float16"}
+
+
+@pytest.mark.parametrize("flags, left_out", [
+    ({"avx512_bf16", "avx2"}, True),  # the AMD EPYC of 2026-12-02: float16 6.7x slower than bfloat16
+    ({"amx_bf16", "avx512_bf16", "avx512_fp16"}, False),  # a Sapphire Rapids Xeon: both native
+    ({"avx2"}, False),  # neither native: both converted, both searched
+    (set(), False),  # no flags listed (another OS): nothing decided from them
+])
+def test_float16_is_left_out_of_a_cpu_search_where_only_bfloat16_is_native(monkeypatch, flags, left_out):
+    from autotune.knobs import unrunnable
+    from autotune.knobs.base import Outrun
+
+    monkeypatch.setattr(fingerprint, "cpu_flags", lambda: frozenset(flags))
+    said = reason("dtype", "float16", cpu("sd15"))
+    assert isinstance(said, Outrun) == left_out and (said is None) == (not left_out)
+    assert reason("dtype", "float16", cuda("sd15")) is None
+    assert reason("dtype", "bfloat16", cpu("sd15")) is None
+    space = SearchSpace.from_file(SHIPPED_DIR / "sd15.yaml").restrict(cpu("sd15"))
+    assert ("float16" in space.choices_of("dtype")) == (not left_out)
+    if left_out:
+        assert any(d.knob == "dtype" and d.value == "float16" and "natively (avx512_bf16)" in d.reason
+                   for d in space.dropped)
+    # left out of the search only: a profile or a hand-made config holding it still runs here
+    assert unrunnable({"dtype": "float16"}, cpu("sd15")) == []
+    # and only where the space searches bfloat16 too: a space of float32 and float16 measures both
+    fp16_space = SearchSpace([Dimension("dtype", ("float32", "float16"))]).restrict(cpu("sd15"))
+    assert fp16_space.choices_of("dtype") == ("float32", "float16")
 
 
 def test_layerwise_casting_stores_denoiser_weights_in_fp8_and_runs():

@@ -277,7 +277,7 @@ def test_a_condition_whose_choices_this_machine_drops_drops_its_knob_too(tmp_pat
     space = SearchSpace.from_file(path).restrict(Target(device="cpu", family="sd15"))
     assert space.dimensions == []
     assert [(d.knob, d.value) for d in space.dropped] == [("quantize", "float8dq"), ("channels_last", True)]
-    assert space.dropped[1].reason == "searched only when quantize in float8dq, which does not run here (dropped above)"
+    assert space.dropped[1].reason == "searched only when quantize in float8dq, which is not searched here (dropped above)"
 
 
 def test_seeds_become_full_configs_of_the_space_on_this_machine(tmp_path):

@@ -75,3 +75,15 @@ def test_a_result_timed_beside_a_busy_neighbour_is_measured_afresh_and_the_less_
     assert pool(request, tmp_path / "c", None)["latency_s"] == 4.0
     assert pool.results[key]["latency_s"] == 2.0  # the earlier, less disturbed, stays
     assert pool(request, tmp_path / "d", None)["reused"]  # measured again once: not again for each study
+
+
+def test_the_sd15_guides_float16_runs_as_asked_where_the_search_leaves_it_out(monkeypatch):
+    # on a CPU computing only bfloat16 natively, autotune searches no float16, but the guide's
+    # stack is float16: run as the guide says, not as float32
+    from autotune import fingerprint
+    from autotune.knobs import Target
+
+    monkeypatch.setattr(fingerprint, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    guide = next(c for c in vht.contestants("cpu", "sd15") if c.name == "guide-sd15")
+    resolved = vht.resolve(guide, Target("cpu", "sd15"))
+    assert resolved.config["dtype"] == "float16" and resolved.config["channels_last"] is True

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import AutotuneError
 from .attention import ATTENTION, SDPA_KERNELS
-from .base import Knob, NoEffect, Target
+from .base import Knob, SearchOnly, Target
 from .cache import CACHE, CACHES
 from .compile import (COMPILE, COMPILE_FREEZING, COMPILE_FULLGRAPH, COMPILE_REGIONAL, COMPILE_VAE, CUDA_GRAPH_MODES,
                       INDUCTOR_FLAGS)
@@ -229,13 +229,14 @@ def complete(config: Config) -> Config:
 
 def unrunnable(config: Config, target: Target) -> list[str]:
     """Why each choice of `config` cannot run on `target` ("knob=value: reason"), as the search
-    drops them (SearchSpace.restrict), but for those that run and change nothing (NoEffect):
+    drops them (SearchSpace.restrict), but for those that run here and are only left out of the
+    search (SearchOnly: they change nothing, or another choice outruns them):
     empty for a config a study measured on this machine. A profile carried to another device or
     machine, or a package uninstalled since, meets them."""
     full = complete(config)
     return [f"{name}={value}: {reason}" for name, value in full.items()
             if value != CATALOGUE[name].default and (reason := CATALOGUE[name].unavailable(value, target))
-            and not isinstance(reason, NoEffect)]
+            and not isinstance(reason, SearchOnly)]
 
 
 # The knobs that rewrite weights: fused into new projections (the separate ones dropped), or put

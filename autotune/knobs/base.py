@@ -149,9 +149,25 @@ class ProcessSettings:
         return self._before
 
 
-class NoEffect(str):
-    """A reason to drop a choice that runs but changes nothing on this target (VAE slicing at batch
-    size 1): the search spends no trial on it, and a profile that holds it still loads."""
+class SearchOnly(str):
+    """A reason to leave a choice out of the search on this target although it runs here: the
+    search spends no trial on it, and a profile that holds it still loads (knobs.unrunnable)."""
+
+
+class NoEffect(SearchOnly):
+    """A choice that runs but changes nothing on this target (VAE slicing at batch size 1)."""
+
+
+class Outrun(SearchOnly):
+    """A choice that runs and changes the pipeline, where another choice of its knob, `by`, needs
+    no more memory and runs much faster on this target (float16 on a CPU that computes bfloat16
+    natively and float16 not). Left out only of a space that searches `by` too; a hand-made
+    config that asks for it still runs it."""
+
+    def __new__(cls, reason: str, by):
+        self = super().__new__(cls, reason)
+        self.by = by
+        return self
 
 
 def package_missing(name: str) -> str | None:

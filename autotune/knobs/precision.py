@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Knob, ProcessSettings, needs_cuda
+from .base import Knob, Outrun, ProcessSettings, needs_cuda
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +25,31 @@ def _apply_dtype(pipe, value, target, config):
     # checks it); a VAE whose config says otherwise (the fp16-fix VAE) is float16-safe by its word.
 
 
+# x86 flags of native half-precision arithmetic. Without them torch converts each value to float32
+# and back: on a 2-core AMD EPYC (avx512_bf16, no avx512_fp16), SD1.5 at 128x128 ran a call in
+# 16.7 s in float16, 7.3 s in float32 and 2.5 s in bfloat16 (versus_hand_tuning.py, 2026-12-02),
+# and a frozen float16 compile there ran past the 900 s trial timeout.
+NATIVE_BFLOAT16 = ("avx512_bf16", "amx_bf16")
+NATIVE_FLOAT16 = ("avx512_fp16", "amx_fp16")
+
+
+def _dtype_unavailable(value, target):
+    """float16 left out of a CPU's search where the CPU computes bfloat16 natively and float16
+    not: bfloat16 needs no more memory (memory_rank) and runs several times faster there. Where
+    the flags say otherwise, or say nothing (another OS, an Arm CPU), both are searched."""
+    if value != "float16" or target.is_cuda:
+        return None
+    from ..fingerprint import cpu_flags
+
+    flags = cpu_flags()
+    native_bf16 = [f for f in NATIVE_BFLOAT16 if f in flags]
+    if native_bf16 and not any(f in flags for f in NATIVE_FLOAT16):
+        return Outrun(f"this CPU computes bfloat16 natively ({native_bf16[0]}) and float16 not (no "
+                      f"{' or '.join(NATIVE_FLOAT16)}): float16 needs as much memory and ran 2.3x slower "
+                      "than float32, 6.7x slower than bfloat16, on such a CPU", by="bfloat16")
+    return None
+
+
 DTYPE = Knob(
     name="dtype",
     choices=tuple(DTYPES),
@@ -32,6 +57,7 @@ DTYPE = Knob(
     help="weight and activation dtype of every component (SDXL's pipeline still decodes a float16 VAE in "
     "float32 where the VAE's config asks it to)",
     apply=_apply_dtype,
+    unavailable=_dtype_unavailable,
     # 4 bytes per weight against 2; float16 above bfloat16: SDXL's VAE decodes upcast to float32
     # in float16 (force_upcast), and T5 keeps its `wo` layers in float32 in float16
     memory_rank={"float32": 2, "float16": 1, "bfloat16": 0},
