@@ -209,11 +209,15 @@ class SearchSpace:
 
     def fit(self, partials: list[Config]) -> list[Config]:
         """Partial configs (seeds, an earlier study's front) as full configs of this space:
-        choices it does not hold (dropped on this machine, or not searched) fall back to the
-        baseline's; the baseline itself, forbidden and repeated ones go."""
+        a choice left out here as outrun becomes the one that outruns it (float16 bfloat16 on a
+        CPU that computes only bfloat16 natively: as little memory, not float32's double);
+        other choices it does not hold (dropped on this machine, or not searched) fall back to
+        the baseline's; the baseline itself, forbidden and repeated ones go."""
         seen, out = {config_key(baseline())}, []
         allowed = {d.name: d.choices for d in self.dimensions}
+        outrun = {(d.knob, d.value): d.reason.by for d in self.dropped if isinstance(d.reason, Outrun)}
         for partial in partials:
+            partial = {k: outrun.get((k, v), v) for k, v in partial.items()}
             config = self.normalize({k: v for k, v in partial.items() if v in allowed.get(k, ())})
             key = config_key(config)
             if key not in seen and not self.forbidden(config):

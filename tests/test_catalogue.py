@@ -204,6 +204,13 @@ def test_float16_is_left_out_of_a_cpu_search_where_only_bfloat16_is_native(monke
     if left_out:
         assert any(d.knob == "dtype" and d.value == "float16" and "natively (avx512_bf16)" in d.reason
                    for d in space.dropped)
+    if left_out:  # the reason survives a copy (its `by` too)
+        import pickle
+
+        said_in_space = next(d.reason for d in space.dropped if d.knob == "dtype")
+        assert copy.deepcopy(said_in_space).by == pickle.loads(pickle.dumps(said_in_space)).by == "bfloat16"
+    # a seed or warm start in float16 takes bfloat16 where float16 is left out, not float32
+    assert space.fit([{"dtype": "float16", "channels_last": True}])[0]["dtype"] == ("bfloat16" if left_out else "float16")
     # left out of the search only: a profile or a hand-made config holding it still runs here
     assert unrunnable({"dtype": "float16"}, cpu("sd15")) == []
     # and only where the space searches bfloat16 too: a space of float32 and float16 measures both

@@ -169,6 +169,9 @@ class Outrun(SearchOnly):
         self.by = by
         return self
 
+    def __getnewargs__(self):  # copy and pickle call __new__ with these: str's would lack `by`
+        return str(self), self.by
+
 
 def package_missing(name: str) -> str | None:
     """A reason when an optional package is not importable (checked without importing it)."""
