@@ -149,7 +149,7 @@ def machine(device: str) -> dict:
         }
     return {
         "device": "cpu",
-        "name": _cpu_name(),
+        "name": cpu_name(),
         "memory_bytes": int(psutil.virtual_memory().total),
         "cpu_count": os.cpu_count(),
     }
@@ -173,29 +173,31 @@ def _text(value) -> str:
 
 
 @functools.cache
+def _first_core() -> dict[str, str]:
+    """The fields /proc/cpuinfo lists for the first core (Linux lists every core alike), read
+    once per process; empty where there is no such file (another OS)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first core's block ends
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this machine's CPU (its first core's:
-    Linux lists every core alike); empty where it lists none (another OS), so that nothing is
-    decided from them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):  # x86; Arm's name for them
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The instruction-set flags of this machine's CPU ("flags" on x86, "Features" on Arm); empty
+    where none are listed, so that nothing is decided from them."""
+    core = _first_core()
+    return frozenset((core.get("flags") or core.get("Features") or "").split())
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_name() -> str:
+    return _first_core().get("model name") or platform.processor() or platform.machine()
 
 
 def _shown(key: str, value, other) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from autotune import fingerprint
 from autotune.console import config_changes
 
 # model, budget: budgets that bite, chosen from peaks measured on the 2-core Xeon this ran on
@@ -77,7 +78,7 @@ def main() -> None:
             rows.append((model, budget, changed, profile["best"]["latency_s"], latency_ratio,
                          profile["best"]["peak_memory_bytes"], peak, profile["budget"]["memory_bytes"]))
     lines = [
-        f"## {time.strftime('%Y-%m-%d %H:%M')}, {_cpu_name()}",
+        f"## {time.strftime('%Y-%m-%d %H:%M')}, {fingerprint.cpu_name()}",
         "",
         f"`python benchmarks/replay_fidelity.py --trials {args.trials}`: each model tuned with "
         "`autotune --model M --vram B --trials N --sampler-seed 0`, then its profile replayed by "
@@ -97,16 +98,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"# Replay fidelity\n\n{run}\n{earlier}".rstrip("\n") + "\n")
     print(f"added to {args.out}")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
