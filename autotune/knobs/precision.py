@@ -27,8 +27,10 @@ def _apply_dtype(pipe, value, target, config):
 
 # x86 flags of native half-precision arithmetic. Without them torch converts each value to float32
 # and back: on a 2-core AMD EPYC (avx512_bf16, no avx512_fp16), SD1.5 at 128x128 ran a call in
-# 16.7 s in float16, 7.3 s in float32 and 2.5 s in bfloat16 (versus_hand_tuning.py, 2026-12-02),
-# and a frozen float16 compile there ran past the 900 s trial timeout.
+# 16.7 s in float16 (+ channels_last), 7.3 s in float32 and 2.6 s in bfloat16, and a frozen
+# float16 compile ran past the 900 s trial timeout (versus_hand_tuning.py, 2026-12-02:
+# benchmarks/results/versus_hand_tuning-epyc-1202.md: its guide-sd15 and default contestants,
+# the 3.00 GiB study's trial 1, the 23.54 GiB study's trial 19).
 NATIVE_BFLOAT16 = ("avx512_bf16", "amx_bf16")
 NATIVE_FLOAT16 = ("avx512_fp16", "amx_fp16")
 
@@ -46,7 +48,7 @@ def _dtype_unavailable(value, target):
     if native_bf16 and not any(f in flags for f in NATIVE_FLOAT16):
         return Outrun(f"this CPU computes bfloat16 natively ({native_bf16[0]}) and float16 not (no "
                       f"{' or '.join(NATIVE_FLOAT16)}): float16 needs as much memory and ran 2.3x slower "
-                      "than float32, 6.7x slower than bfloat16, on such a CPU", by="bfloat16")
+                      "than float32, 6.5x slower than bfloat16, on such a CPU", by="bfloat16")
     return None
 
 
