@@ -834,14 +834,33 @@ def _defining(request: dict) -> dict:
     return {k: request[k].split(":")[0] if k == "device" else request[k] for k in DEFINING if k in request}
 
 
-def _refuse_another_request(study: optuna.Study, asked: dict) -> None:
+def _refuse_another_request(study: optuna.Study, asked: dict, dropped_here: list) -> None:
     held = study.user_attrs.get("request") or {}
     shown = request_differences(held, asked)
     if shown:
-        space = (" (or resume with the --space it was measured under)"
-                 if _defining(held).get("space") != _defining(asked).get("space") else "")
         raise AutotuneError(f"study {study.study_name} was measured under other settings ({shown}): "
-                            f"its trials do not mix with these; use another --study-name{space}")
+                            f"its trials do not mix with these; use another --study-name"
+                            f"{_space_hint(held.get('space'), asked.get('space'), dropped_here)}")
+
+
+def _space_hint(held: dict | None, asked: dict | None, dropped_here: list) -> str:
+    """How to resume a study whose stored space (knob -> choices and condition) differs from this
+    run's: with the --space it was measured under; unless this run searches nothing the study
+    did not, and what it lacks is what this machine leaves out (this autotune no longer searches
+    it here, whatever the --space): then why."""
+    if held is None or held == asked:
+        return ""
+    asked = asked or {}
+    # keyed through JSON, as the stored space holds choices (a tuple stored is a list)
+    left_out = {(d.knob, json.dumps(d.value)): d for d in dropped_here}
+    lacking = [(knob, json.dumps(value)) for knob, dim in held.items() for value in dim["choices"]
+               if value not in asked.get(knob, {}).get("choices", ())]
+    adds = any(knob not in held or dim["when"] != held[knob]["when"]
+               or any(value not in held[knob]["choices"] for value in dim["choices"])
+               for knob, dim in asked.items())
+    if lacking and not adds and all(key in left_out for key in lacking):
+        return f" (it searched what this machine now leaves out: {'; '.join(str(left_out[key]) for key in lacking)})"
+    return " (or resume with the --space it was measured under)"
 
 
 def request_differences(held: dict, asked: dict) -> str:
@@ -1052,7 +1071,7 @@ def _hold_the_request(study: optuna.Study, req: TuneRequest) -> None:
         if not held:
             study.set_user_attr("hardware", req.hardware)
             study.set_user_attr("machine", req.machine)
-    _refuse_another_request(study, _request_attr(req))
+    _refuse_another_request(study, _request_attr(req), req.space.dropped)
     study.set_user_attr("request", _request_attr(req))
 
 

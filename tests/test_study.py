@@ -1228,6 +1228,32 @@ def test_a_study_refuses_a_run_that_measures_something_else(tmp_path):
         study.tune(other, measure=measure)
 
 
+def test_a_study_that_searched_what_this_machine_now_leaves_out_says_so(tmp_path):
+    """A study measured before this autotune left float16 out of a CPU's search (on a CPU
+    where bfloat16 outruns it): the same --space would drop it again, so the refusal says why
+    instead of pointing at --space; a space that adds a choice still points there."""
+    from dataclasses import replace
+
+    from autotune.errors import AutotuneError
+    from autotune.knobs.base import Outrun
+    from autotune.space import Dropped
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    measure, _ = fake_measure(lambda config: 1.0)
+    first = request(SearchSpace([Dimension("dtype", ("float32", "float16", "bfloat16"))]), tmp_path,
+                    storage=url, trials=2, confirm_rounds=0)
+    study.tune(first, measure=measure)
+    outrun = Dropped("dtype", "float16", Outrun("bfloat16 runs faster here", "bfloat16"))
+    now = replace(first, space=SearchSpace([Dimension("dtype", ("float32", "bfloat16"))], dropped=[outrun]))
+    with pytest.raises(AutotuneError, match=r"use another --study-name \(it searched what this machine now "
+                       r"leaves out: dtype=float16: bfloat16 runs faster here\)$"):
+        study.tune(now, measure=measure)
+    more = replace(now, space=SearchSpace([Dimension("dtype", ("float32", "bfloat16")),
+                                           Dimension("channels_last", (False, True))], dropped=[outrun]))
+    with pytest.raises(AutotuneError, match=r"\(or resume with the --space it was measured under\)$"):
+        study.tune(more, measure=measure)
+
+
 def test_a_baseline_slower_than_the_trial_timeout_says_so(tmp_path):
     from autotune.errors import AutotuneError
 
