@@ -834,7 +834,7 @@ def _defining(request: dict) -> dict:
     return {k: request[k].split(":")[0] if k == "device" else request[k] for k in DEFINING if k in request}
 
 
-def _refuse_another_request(study: optuna.Study, asked: dict, dropped_here: list) -> None:
+def _refuse_another_request(study: optuna.Study, asked: dict, dropped_here: tuple | list = ()) -> None:
     held = study.user_attrs.get("request") or {}
     shown = request_differences(held, asked)
     if shown:
@@ -843,7 +843,7 @@ def _refuse_another_request(study: optuna.Study, asked: dict, dropped_here: list
                             f"{_space_hint(held.get('space'), asked.get('space'), dropped_here)}")
 
 
-def _space_hint(held: dict | None, asked: dict | None, dropped_here: list) -> str:
+def _space_hint(held: dict | None, asked: dict | None, dropped_here: tuple | list) -> str:
     """How to resume a study whose stored space (knob -> choices and condition) differs from this
     run's: with the --space it was measured under; unless this run searches nothing the study
     did not, and what it lacks is what this machine leaves out (this autotune no longer searches
