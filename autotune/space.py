@@ -123,7 +123,7 @@ class SearchSpace:
             kept = []
             for value in dim.choices:
                 reason = knob.unavailable(value, target)
-                if isinstance(reason, Outrun) and reason.by not in dim.choices:
+                if isinstance(reason, Outrun) and not self._searches_a_config_with(dim, reason.by, target.family):
                     reason = None  # nothing searched here runs it faster: measured, as the space asks
                 if reason:
                     dropped.append(Dropped(dim.name, value, reason))
@@ -139,6 +139,14 @@ class SearchSpace:
         # with choices dropped, and the family's conflicts known, the rules may now leave nothing
         space.check_allows_a_config(f" on {target.device} ({target.family})")
         return space
+
+    def _searches_a_config_with(self, dim: Dimension, value, family: str) -> bool:
+        """Whether `value` is a choice of `dim` that some config the forbid rules (and the known
+        conflicts) allow holds: a space that lists bfloat16 but forbids it runs no bfloat16."""
+        if value not in dim.choices:
+            return False
+        narrowed = [Dimension(d.name, (value,), d.when) if d is dim else d for d in self.dimensions]
+        return SearchSpace(narrowed, self.forbid, family=family).allows_a_config()
 
     # ---- configs -------------------------------------------------------------------------------
     def normalize(self, partial: Config) -> Config:

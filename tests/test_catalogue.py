@@ -214,6 +214,13 @@ def test_float16_is_left_out_of_a_cpu_search_where_only_bfloat16_is_native(monke
     # and only where the space searches bfloat16 too: a space of float32 and float16 measures both
     fp16_space = SearchSpace([Dimension("dtype", ("float32", "float16"))]).restrict(cpu("sd15"))
     assert fp16_space.choices_of("dtype") == ("float32", "float16")
+    # or lists bfloat16 and forbids it: no config of it runs, so float16 is measured
+    dtypes = Dimension("dtype", ("float32", "float16", "bfloat16"))
+    assert "float16" in SearchSpace([dtypes], forbid=[{"dtype": "bfloat16"}]).restrict(cpu("sd15")).choices_of("dtype")
+    # a rule that forbids some bfloat16 configs leaves others: float16 is still outrun
+    some = SearchSpace([dtypes, Dimension("channels_last", (False, True))],
+                       forbid=[{"dtype": "bfloat16", "channels_last": True}]).restrict(cpu("sd15"))
+    assert ("float16" in some.choices_of("dtype")) == (not left_out)
 
 
 def test_layerwise_casting_stores_denoiser_weights_in_fp8_and_runs():
