@@ -845,22 +845,23 @@ def _refuse_another_request(study: optuna.Study, asked: dict, dropped_here: tupl
 
 def _space_hint(held: dict | None, asked: dict | None, dropped_here: tuple | list) -> str:
     """How to resume a study whose stored space (knob -> choices and condition) differs from this
-    run's: with the --space it was measured under; unless this run searches nothing the study
-    did not, and what it lacks is what this machine leaves out (this autotune no longer searches
-    it here, whatever the --space): then why."""
+    run's: with the --space it was measured under; unless the study's space, less what this
+    machine leaves out, is this run's (narrowed as SearchSpace.restrict narrows it: a knob left
+    with one choice is not searched), so that no --space brings it back: then why."""
     if held is None or held == asked:
         return ""
-    asked = asked or {}
     # keyed through JSON, as the stored space holds choices (a tuple stored is a list)
     left_out = {(d.knob, json.dumps(d.value)): d for d in dropped_here}
-    lacking = [(knob, json.dumps(value)) for knob, dim in held.items() for value in dim["choices"]
-               if value not in asked.get(knob, {}).get("choices", ())]
-    adds = any(knob not in held or dim["when"] != held[knob]["when"]
-               or any(value not in held[knob]["choices"] for value in dim["choices"])
-               for knob, dim in asked.items())
-    if lacking and not adds and all(key in left_out for key in lacking):
-        return f" (it searched what this machine now leaves out: {'; '.join(str(left_out[key]) for key in lacking)})"
-    return " (or resume with the --space it was measured under)"
+    narrowed = {}
+    for knob, dim in held.items():
+        kept = [value for value in dim["choices"] if (knob, json.dumps(value)) not in left_out]
+        if len(kept) > 1:
+            narrowed[knob] = {**dim, "choices": kept}
+    if narrowed != asked:
+        return " (or resume with the --space it was measured under)"
+    lacking = [str(left_out[knob, json.dumps(value)]) for knob, dim in held.items() for value in dim["choices"]
+               if (knob, json.dumps(value)) in left_out]
+    return f" (it searched what this machine now leaves out: {'; '.join(lacking)})"
 
 
 def request_differences(held: dict, asked: dict) -> str:
