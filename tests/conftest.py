@@ -15,7 +15,32 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import helpers.py by nam
 from helpers import run_cli  # noqa: E402
 
 
+# The test files, the longest-running first (per-file sums of `pytest --junitxml` times, 2026-12-02).
+# `-n 2 --dist loadfile` gives a worker a whole file at a time, and xdist hands out the files with
+# the most tests first: a file of few but long tests (test_shared_study.py: 5 tests, 104 s) came late and kept one
+# worker busy for minutes while the other had nothing left. Handed out longest first, the two end
+# within a short file of each other. A file not listed (a new one) goes first: of unknown length,
+# it is cheaper early than last. A stale order costs balance, never a test.
+LONGEST_FIRST = [
+    "tests/test_cli.py", "tests/test_cli_runs.py", "tests/test_catalogue.py", "tests/test_runner.py",  # 374-151 s
+    "tests/test_shared_study.py", "tests/test_report.py", "tests/test_study.py", "tests/test_quality.py",  # 104-54 s
+    "tests/test_knobs.py", "tests/test_profile.py", "tests/test_models.py", "tests/test_space.py",  # 44-15 s
+    "tests/test_measure.py", "tests/test_search_efficiency.py", "tests/test_sizes.py", "tests/test_repair.py",
+    "tests/test_gpu_check.py", "tests/test_versus_pool.py",  # 4 s and under
+    "tests/gpu/test_knobs_gpu.py", "tests/gpu/test_cuda.py", "tests/gpu/test_gpu_workers.py",  # skipped on a CPU
+]
+
+
+def pytest_configure(config):
+    # xdist's controller hands out the files in the order collected (below), not by test count
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], -1))  # stable: a file's tests keep their order
+
     # Every test under tests/gpu is a GPU test: marked, and skipped cleanly where CUDA is absent.
     import torch
 
