@@ -41,9 +41,10 @@ def autotune(*args: str, cwd: Path, ok=(0,)) -> subprocess.CompletedProcess:
 
 
 def replayed(stdout: str, label: str) -> float:
-    # the verify table: "| label | recorded | replayed | ratio |"
+    """The replayed / recorded ratio of one row of verify's table: "| label | recorded | replayed |
+    1.012x |" (tests/test_cli_runs.py reads a real verify's output with it)."""
     row = next(line for line in stdout.splitlines() if line.strip("│| ").startswith(label))
-    return float(re.split(r"[│|]", row)[-2].strip())
+    return float(re.split(r"[│|]", row)[-2].strip().removesuffix("x"))
 
 
 def main() -> None:

@@ -10,6 +10,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (it is not a package: each runs as `python SCRIPT`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_tiny(family: str, config: dict | None = None):
     """A tiny pipeline of `family` on the CPU, in the state `config` describes."""
     from autotune.knobs import Target, build_configured

@@ -12,7 +12,7 @@ import optuna
 import pytest
 import yaml
 
-from helpers import (SMALL_SPACE, SMALL_WORKLOAD, all_trials, one_line_error, processes_left_in, run_cli, start_cli,
+from helpers import (SMALL_SPACE, SMALL_WORKLOAD, all_trials, load_benchmark, one_line_error, processes_left_in, run_cli, start_cli,
                      stored_study, wait_for_second_measured_trial, write_profile)
 
 
@@ -344,6 +344,10 @@ def test_verify_judges_the_fit_with_the_profile_margin_and_not_a_failed_replay(c
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "margin 5%: replayed peak" in proc.stdout and " fits (" in proc.stdout
     assert f"warning: measured with 4096 CPU threads; replayed with {len(os.sched_getaffinity(0))}, the cores here" in proc.stdout
+    # benchmarks/replay_fidelity.py reads the ratios off this table (it broke when they took an x)
+    replay_fidelity = load_benchmark("replay_fidelity")
+    assert replay_fidelity.replayed(proc.stdout, "latency (median)") > 0
+    assert replay_fidelity.replayed(proc.stdout, "peak memory") > 0
 
     # how it was measured left null, as the profile's reader allows: replayed with the defaults
     # (max(None, 3) was a TypeError traceback in trial_request)

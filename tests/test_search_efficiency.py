@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
 from autotune.models import resolve_model
 from autotune.space import Dimension, SearchSpace, config_key
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("search_efficiency", ROOT / "benchmarks" / "search_efficiency.py")
-se = importlib.util.module_from_spec(_spec)
-sys.modules["search_efficiency"] = se
-_spec.loader.exec_module(se)
+from helpers import ROOT, load_benchmark
+
+se = load_benchmark("search_efficiency")
 
 MiB = 2**20
 DTYPE = {"float32": 1.0, "bfloat16": 0.55, "float16": 2.5}  # float16 slow on a CPU, as measured

@@ -4,19 +4,13 @@ that would have been cut too."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from autotune import worker
 from autotune.knobs import baseline
 from autotune.models import resolve_model
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("versus_hand_tuning", ROOT / "benchmarks" / "versus_hand_tuning.py")
-vht = importlib.util.module_from_spec(_spec)
-sys.modules["versus_hand_tuning"] = vht
-_spec.loader.exec_module(vht)
+from helpers import load_benchmark
+
+vht = load_benchmark("versus_hand_tuning")
 
 
 def test_a_cut_short_result_serves_only_requests_it_would_have_been_cut_for(tmp_path):
