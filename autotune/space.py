@@ -118,12 +118,18 @@ class SearchSpace:
     def restrict(self, target: Target) -> "SearchSpace":
         """The space without the choices that cannot run on `target`, each drop with its reason."""
         dims, dropped = [], list(self.dropped)
+        reasons = {(dim.name, value): CATALOGUE[dim.name].unavailable(value, target)
+                   for dim in self.dimensions for value in dim.choices}
+        # what runs here at all (an outrun choice does: it is only slower), to judge an Outrun by:
+        # bfloat16 allowed only beside a choice this machine cannot run runs no config here
+        runnable = SearchSpace([Dimension(d.name, tuple(v for v in d.choices if not reasons[d.name, v]
+                                                        or isinstance(reasons[d.name, v], Outrun)), d.when)
+                                for d in self.dimensions], self.forbid, family=target.family)
         for dim in self.dimensions:
-            knob = CATALOGUE[dim.name]
             kept = []
             for value in dim.choices:
-                reason = knob.unavailable(value, target)
-                if isinstance(reason, Outrun) and not self._searches_a_config_with(dim, reason.by, target.family):
+                reason = reasons[dim.name, value]
+                if isinstance(reason, Outrun) and not runnable._searches_a_config_with(dim.name, reason.by):
                     reason = None  # nothing searched here runs it faster: measured, as the space asks
                 if reason:
                     dropped.append(Dropped(dim.name, value, reason))
@@ -140,13 +146,13 @@ class SearchSpace:
         space.check_allows_a_config(f" on {target.device} ({target.family})")
         return space
 
-    def _searches_a_config_with(self, dim: Dimension, value, family: str) -> bool:
-        """Whether `value` is a choice of `dim` that some config the forbid rules (and the known
-        conflicts) allow holds: a space that lists bfloat16 but forbids it runs no bfloat16."""
-        if value not in dim.choices:
+    def _searches_a_config_with(self, name: str, value) -> bool:
+        """Whether `value` is a choice of knob `name` that some config the forbid rules (and the
+        known conflicts) allow holds: a space that lists bfloat16 but forbids it runs no bfloat16."""
+        if value not in self.choices_of(name):
             return False
-        narrowed = [Dimension(d.name, (value,), d.when) if d is dim else d for d in self.dimensions]
-        return SearchSpace(narrowed, self.forbid, family=family).allows_a_config()
+        narrowed = [Dimension(d.name, (value,), d.when) if d.name == name else d for d in self.dimensions]
+        return SearchSpace(narrowed, self.forbid, family=self.family).allows_a_config()
 
     # ---- configs -------------------------------------------------------------------------------
     def normalize(self, partial: Config) -> Config:

@@ -221,6 +221,10 @@ def test_float16_is_left_out_of_a_cpu_search_where_only_bfloat16_is_native(monke
     some = SearchSpace([dtypes, Dimension("channels_last", (False, True))],
                        forbid=[{"dtype": "bfloat16", "channels_last": True}]).restrict(cpu("sd15"))
     assert ("float16" in some.choices_of("dtype")) == (not left_out)
+    # and bfloat16 allowed only beside a choice this machine cannot run runs no config here either
+    beside = SearchSpace([dtypes, Dimension("attention", ("sdpa", "xformers"))],
+                         forbid=[{"dtype": "bfloat16", "attention": "sdpa"}]).restrict(cpu("sd15"))
+    assert "float16" in beside.choices_of("dtype")
 
 
 def test_layerwise_casting_stores_denoiser_weights_in_fp8_and_runs():

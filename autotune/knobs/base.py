@@ -162,7 +162,8 @@ class Outrun(SearchOnly):
     """A choice that runs and changes the pipeline, where another choice of its knob, `by`, needs
     no more memory and runs much faster on this target (float16 on a CPU that computes bfloat16
     natively and float16 not). Left out only of a space that searches `by` too (a config of it
-    that the space's rules allow); a hand-made config that asks for it still runs it."""
+    that the space's rules allow, of choices that run on this target); a hand-made config that asks
+    for it still runs it."""
 
     def __new__(cls, reason: str, by):
         self = super().__new__(cls, reason)
