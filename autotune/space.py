@@ -122,9 +122,11 @@ class SearchSpace:
                    for dim in self.dimensions for value in dim.choices}
         # what runs here at all (an outrun choice does: it is only slower), to judge an Outrun by:
         # bfloat16 allowed only beside a choice this machine cannot run runs no config here
-        runnable = SearchSpace([Dimension(d.name, tuple(v for v in d.choices if not reasons[d.name, v]
-                                                        or isinstance(reasons[d.name, v], Outrun)), d.when)
-                                for d in self.dimensions], self.forbid, family=target.family)
+        runs = {d.name: tuple(v for v in d.choices if not reasons[d.name, v] or isinstance(reasons[d.name, v], Outrun))
+                for d in self.dimensions}
+        # a knob left one choice is not searched (its baseline), as below
+        runnable = SearchSpace([Dimension(d.name, runs[d.name], d.when) for d in self.dimensions if len(runs[d.name]) > 1],
+                               self.forbid, family=target.family)
         for dim in self.dimensions:
             kept = []
             for value in dim.choices:
