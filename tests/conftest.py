@@ -33,7 +33,9 @@ LONGEST_FIRST = [
 
 def pytest_configure(config):
     # xdist's controller hands out the files in the order collected (below), not by test count
-    if hasattr(config.option, "loadscopereorder"):
+    # (--no-loadscope-reorder, xdist 3.8), unless the command line asks for one or the other
+    asked = " ".join([*config.invocation_params.args, os.environ.get("PYTEST_ADDOPTS", "")])
+    if hasattr(config.option, "loadscopereorder") and "loadscope-reorder" not in asked:
         config.option.loadscopereorder = False
 
 

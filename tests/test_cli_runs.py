@@ -408,7 +408,7 @@ def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tm
     hand = {"dtype": "bfloat16", "channels_last": True}
     write_profile(tmp_path / "hand.yaml", config=hand)
     # A profile file and a study NAME run end to end; the other two forms resolve through the same
-    # function to the same configs (two more runs measured nothing new: 20 s of CI each).
+    # function to the same configs (two more runs that measured nothing new: about 20 s of CI).
     from autotune.cli import _warm_start_configs
 
     for source in (str(tmp_path / "first.yaml"), f"first@{url}"):
