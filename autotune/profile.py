@@ -400,9 +400,9 @@ class Profile:
             name = str(loaded_in).removeprefix("torch.")
             why = ("its load may have held more memory than the trial's" if loaded_in.itemsize > measured_in.itemsize
                    else "what its weights lost in the narrower dtype is not restored by the cast")
-            warnings.warn(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}, "
-                          f"which loaded it in {config['dtype']} (from_pretrained(..., torch_dtype=torch."
-                          f"{config['dtype']}), dtype= in diffusers 0.42 and later, or profile.load_pipeline())",
+            warnings.warn(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}; "
+                          f"the trial loaded it in {config['dtype']}, as from_pretrained(..., torch_dtype=torch."
+                          f"{config['dtype']}) does (dtype= in diffusers 0.42 and later), or profile.load_pipeline()",
                           stacklevel=2)
         self._set_measured_threads(target)
         return pipe

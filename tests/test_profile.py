@@ -1271,14 +1271,21 @@ def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_pa
         torch.set_num_threads(before)
 
 
-def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_differed(written):
+def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_differed(written, tmp_path):
     # cast to the profile's dtype, the state is the trial's; the load held float32 weights first
     from autotune.models import build_pipeline
 
     profile = load_profile(written)  # bfloat16
     with pytest.warns(UserWarning, match="denoiser was loaded in float32 and cast to bfloat16: its load may have "
-                                         "held more memory"):
+                                         "held more memory than the trial's; the trial loaded it in bfloat16, as "
+                                         r"from_pretrained\(..., torch_dtype=torch.bfloat16\) does"):
         profile.apply(build_tiny_unconfigured())
+    # loaded narrower than measured: the cast back does not restore the weights (the message's
+    # "which loaded it" referred to nothing on this branch: helper-10)
+    wide = _profile_with(tmp_path / "f32.yaml", dtype="float32")
+    with pytest.warns(UserWarning, match="loaded in bfloat16 and cast to float32: what its weights lost in the "
+                                         "narrower dtype is not restored by the cast; the trial loaded it in float32"):
+        wide.apply(build_pipeline(resolve_model("tiny-sd15"), dtype=torch.bfloat16))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.simplefilter("ignore", profile_io.ProfileMismatchWarning)
