@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import SpaceError, read_yaml
 from .knobs import CATALOGUE, CONFLICTS, Config, Target, baseline, conflict, matches
@@ -117,28 +117,17 @@ class SearchSpace:
     # ---- this machine --------------------------------------------------------------------------
     def restrict(self, target: Target) -> "SearchSpace":
         """The space without the choices that cannot run on `target`, each drop with its reason."""
-        dims, dropped = [], list(self.dropped)
         reasons = {(dim.name, value): CATALOGUE[dim.name].unavailable(value, target)
                    for dim in self.dimensions for value in dim.choices}
         # what runs here at all (an outrun choice does: it is only slower), to judge an Outrun by:
         # bfloat16 allowed only beside a choice this machine cannot run runs no config here
-        runs = {d.name: tuple(v for v in d.choices if not reasons[d.name, v] or isinstance(reasons[d.name, v], Outrun))
-                for d in self.dimensions}
-        # a knob left one choice is not searched (its baseline), as below
-        runnable = SearchSpace([Dimension(d.name, runs[d.name], d.when) for d in self.dimensions if len(runs[d.name]) > 1],
-                               self.forbid, family=target.family)
-        for dim in self.dimensions:
-            kept = []
-            for value in dim.choices:
-                reason = reasons[dim.name, value]
-                if isinstance(reason, Outrun) and not runnable._searches_a_config_with(dim.name, reason.by):
-                    reason = None  # nothing searched here runs it faster: measured, as the space asks
-                if reason:
-                    dropped.append(Dropped(dim.name, value, reason))
-                else:
-                    kept.append(value)
-            if len(kept) > 1:
-                dims.append(Dimension(dim.name, tuple(kept), dim.when))
+        runnable = SearchSpace(searched(self.dimensions, lambda name, value: not reasons[name, value]
+                                        or isinstance(reasons[name, value], Outrun)), self.forbid, family=target.family)
+        for (name, value), reason in reasons.items():
+            if isinstance(reason, Outrun) and not runnable._searches_a_config_with(name, reason.by):
+                reasons[name, value] = None  # nothing searched here runs it faster: measured, as the space asks
+        dropped = [*self.dropped, *(Dropped(name, value, reason) for (name, value), reason in reasons.items() if reason)]
+        dims = searched(self.dimensions, lambda name, value: not reasons[name, value])
         # a knob searched under a condition on choices dropped here is never searched either: said
         # so, not listed as searched (`compile_fullgraph` where no compiler runs; helper-15)
         dims, unmet = _without_unmet(dims, "which is not searched here (dropped above)")
@@ -357,6 +346,19 @@ def _unmet_conditions(dims: list[Dimension]):
             if not any(w in takes for w in wanted):
                 yield dim, (other, wanted, takes)
                 break
+
+
+def searched(dimensions: list[Dimension], keeps: Callable[[str, Any], bool]) -> list[Dimension]:
+    """`dimensions` with the choices `keeps(knob, value)` keeps. A knob left one choice is not
+    searched: it stays at its baseline, which every dimension holds (`_dimensions`)."""
+    kept = [(d, tuple(value for value in d.choices if keeps(d.name, value))) for d in dimensions]
+    return [Dimension(d.name, choices, d.when) for d, choices in kept if len(choices) > 1]
+
+
+def stored_form(dimensions: list[Dimension]) -> dict:
+    """A space as a study stores it: knob -> choices and condition, through JSON, as storages keep
+    it (a tuple comes back a list), so that a resumed run compares like with like."""
+    return json.loads(json.dumps({d.name: {"choices": list(d.choices), "when": d.when} for d in dimensions}))
 
 
 def _without_unmet(dims: list[Dimension], why: str) -> tuple[list[Dimension], list[Dropped]]:

@@ -45,7 +45,7 @@ from .knobs import CATALOGUE, Config, Target, baseline, complete, conflict
 from .measure import MAX_TIMED_CALLS, SPREAD_LIMIT, TIMED_CALLS, TRIAL_TIMEOUT_S, WARMUP_CALLS, busy_cores
 from .models import ModelSpec
 from .sizes import MAX_SIZE, format_size, parse_margin
-from .space import SearchSpace, config_key
+from .space import Dimension, SearchSpace, config_key, searched, stored_form
 from .workload import Workload
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # who measured a trial, in a shared study
@@ -814,10 +814,7 @@ def _request_attr(req: TuneRequest) -> dict:
         "max_calls": req.max_calls,
         "spread_limit": req.spread_limit,
         "min_psnr_db": req.min_psnr_db,
-        # as searched here (after dropping what cannot run): knob -> choices, and its condition
-        # (through JSON, as storages keep it, so that a resumed run compares like with like)
-        "space": json.loads(json.dumps({d.name: {"choices": list(d.choices), "when": d.when}
-                                        for d in req.space.dimensions})),
+        "space": stored_form(req.space.dimensions),  # as searched here, after dropping what cannot run
     }
 
 
@@ -852,12 +849,8 @@ def _space_hint(held: dict | None, asked: dict | None, dropped_here: tuple | lis
         return ""
     # keyed through JSON, as the stored space holds choices (a tuple stored is a list)
     left_out = {(d.knob, json.dumps(d.value)): d for d in dropped_here}
-    narrowed = {}
-    for knob, dim in held.items():
-        kept = [value for value in dim["choices"] if (knob, json.dumps(value)) not in left_out]
-        if len(kept) > 1:
-            narrowed[knob] = {**dim, "choices": kept}
-    if narrowed != asked:
+    dims = [Dimension(knob, tuple(dim["choices"]), dim["when"]) for knob, dim in held.items()]
+    if stored_form(searched(dims, lambda knob, value: (knob, json.dumps(value)) not in left_out)) != asked:
         return " (or resume with the --space it was measured under)"
     lacking = [str(left_out[knob, json.dumps(value)]) for knob, dim in held.items() for value in dim["choices"]
                if (knob, json.dumps(value)) in left_out]
