@@ -22,11 +22,11 @@ import yaml
 from autotune import fingerprint
 from autotune.console import config_changes
 
-# model, budget, from peaks measured on a 2-core Xeon on 2026-12-02 (float32 808 / 540 / 530 MiB;
+# model, budget, from peaks measured on a 2-core Xeon on 2026-12-02 (float32 809-829 / 540 / 530 MiB;
 # bfloat16 + fused QKV + channels_last 739 / 529 / 530 MiB; a fit needs the peak under 95% of the
 # budget, the 5% margin; MB is MiB here, as in autotune): float32 does not fit tiny-sdxl's and
-# tiny-sd15's budgets. tiny-sd3's configs all peak within 2 MiB of each other: no budget leaves
-# some out, and its budget fits all. The tiny models' peaks are mostly the process's own
+# tiny-sd15's budgets. tiny-sd3's configs all peak within about 4 MiB of each other (529-533 MiB
+# in one study): no budget leaves some out, and its budget fits all. The tiny models' peaks are mostly the process's own
 # (libraries, allocator) and move by a few MiB between machines and library versions (545MB
 # fitted nothing of tiny-sd15's in that run): --cases chooses others.
 CASES = [
@@ -68,24 +68,25 @@ def main() -> None:
     if args.out.is_dir():  # checked now, not after the minutes of tuning that precede the write
         parser.error(f"--out {args.out}: a folder; name the markdown file, such as {args.out / 'replay_fidelity.md'}")
     cases = [tuple(c.split("=", 1)) for c in args.cases] if args.cases else CASES
-    rows = []
+    rows = []  # the table's, one a case
     with tempfile.TemporaryDirectory(prefix="autotune-replay-") as tmp:
         cwd = Path(tmp)
         for model, budget in cases:
             tuned = autotune("--model", model, "--vram", budget, "--trials", args.trials, "--sampler-seed", "0",
                              "--output", f"{model}.yaml", cwd=cwd, ok=(0, 3))
             if tuned.returncode == 3:  # nothing fitted this machine's peaks: said in the table, the others go on
-                rows.append((model, budget, None, None, None, None, None, None))
                 print(tuned.stderr.strip(), file=sys.stderr)
+                rows.append(f"| {model} | {budget} | no config fitted (exit 3): a budget for this machine's peaks "
+                            "is `--cases MODEL=BUDGET` | | | | | |")
                 continue
             profile = yaml.safe_load((cwd / f"{model}.yaml").read_text())
+            best = profile["best"]
             verify = autotune("verify", f"{model}.yaml", cwd=cwd, ok=(0, 3))  # 3: over budget
-            latency_ratio = replayed(verify.stdout, "latency (median)")
-            peak_ratio = replayed(verify.stdout, "peak memory")
-            peak = profile["best"]["peak_memory_bytes"] * peak_ratio
-            changed = config_changes(profile["best"]["config"])
-            rows.append((model, budget, changed, profile["best"]["latency_s"], latency_ratio,
-                         profile["best"]["peak_memory_bytes"], peak, profile["budget"]["memory_bytes"]))
+            replay_peak = best["peak_memory_bytes"] * replayed(verify.stdout, "peak memory")
+            fits = "yes" if replay_peak <= profile["budget"]["memory_bytes"] else "NO"
+            rows.append(f"| {model} | {budget} | {config_changes(best['config'])} | {best['latency_s']:.3f} s | "
+                        f"{replayed(verify.stdout, 'latency (median)'):.3f} | {best['peak_memory_bytes'] / 2**20:.0f} MiB | "
+                        f"{replay_peak / 2**20:.0f} MiB | {fits} |")
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')}, {fingerprint.cpu_name()}",
         "",
@@ -97,14 +98,8 @@ def main() -> None:
         "| model | budget | best config | recorded latency | replayed / recorded latency | recorded peak | "
         "replayed peak | replayed peak within budget |",
         "|---|---|---|---|---|---|---|---|",
+        *rows,
     ]
-    for model, budget, config, latency, ratio, peak, replay_peak, budget_bytes in rows:
-        if config is None:
-            lines.append(f"| {model} | {budget} | no config fitted (exit 3): a budget for this machine's peaks "
-                         "is `--cases MODEL=BUDGET` | | | | | |")
-            continue
-        lines.append(f"| {model} | {budget} | {config} | {latency:.3f} s | {ratio:.3f} | {peak / 2**20:.0f} MiB | "
-                     f"{replay_peak / 2**20:.0f} MiB | {'yes' if replay_peak <= budget_bytes else 'NO'} |")
     run = "\n".join(lines) + "\n"
     print(run)
     # Newest run first, under the file's title and its opening prose; earlier runs stay (a run on a
