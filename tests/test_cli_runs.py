@@ -411,10 +411,12 @@ def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tm
     # function to the same configs (two more runs that measured nothing new: about 20 s of CI).
     from autotune.cli import _warm_start_configs
 
+    def keys(configs):
+        return sorted(config_key(complete(c)) for c in configs)
+
     for source in (str(tmp_path / "first.yaml"), f"first@{url}"):
-        resolved = [c for c in _warm_start_configs([source], url, "tiny-sd15")
-                    if config_key(complete(c)) != config_key(complete(first_profile["baseline"]["config"]))]
-        assert sorted(map(config_key, map(complete, resolved))) == sorted(map(config_key, map(complete, front))), source
+        resolved = [c for c in _warm_start_configs([source], url, "tiny-sd15") if keys([c]) != keys([first_profile["baseline"]["config"]])]
+        assert keys(resolved) == keys(front), source
     for name, source, expected in [("from-profile", "hand.yaml", [hand]), ("from-name", "first", front)]:
         proc = cli(*CHEAP, "--trials", "3", "--study-name", name, "--warm-start", source, "--no-profile")
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -423,7 +425,7 @@ def test_a_warm_start_from_a_profile_or_a_study_measures_its_front_first(cli, tm
         assert [t.number for t in warm] == list(range(1, 1 + len(warm)))  # right after the baseline
         # every front config but the baseline proposed, in the space's terms
         proposed = sorted(config_key(t.user_attrs["config"]) for t in warm)
-        assert proposed == sorted(config_key(complete(c)) for c in expected), (source, proposed, expected)
+        assert proposed == keys(expected), (source, proposed, expected)
     # On a study that exists, the configs it has not measured are queued (a resume left them out
     # without a word), those it has are not; a profile of another model is taken with a warning.
     other = {"dtype": "bfloat16", "attention": "sliced"}
