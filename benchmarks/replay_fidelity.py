@@ -51,6 +51,15 @@ def replayed(stdout: str, label: str) -> float:
     return float(re.split(r"[│|]", row)[-2].strip().removesuffix("x"))
 
 
+def with_run_added(text: str, run: str) -> str:
+    """The results file `text` with `run` first under its title and opening prose; earlier runs stay
+    (a run on a drifting machine is one sample). A run starts at a dated heading, the one main()
+    writes, so a "## " line in the prose (or in a fence there) is not taken for one."""
+    top, *runs = re.split(r"^(?=## \d{4}-\d\d-\d\d )", text, maxsplit=1, flags=re.MULTILINE)
+    top = top.strip() or "# Replay fidelity"
+    return f"{top}\n\n{run.strip()}\n" + (f"\n{runs[0].strip()}\n" if runs else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph, whole
     parser.add_argument("--trials", default="8")
@@ -102,14 +111,8 @@ def main() -> None:
     ]
     run = "\n".join(lines) + "\n"
     print(run)
-    # Newest run first, under the file's title and its opening prose; earlier runs stay (a run on a
-    # drifting machine is one sample).
-    text = args.out.read_text() if args.out.exists() else ""
-    top, *runs = re.split(r"^## ", text, maxsplit=1, flags=re.MULTILINE)
-    top = top.strip() or "# Replay fidelity"
-    runs = runs[0] if runs else ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text((f"{top.rstrip()}\n\n{run}" + (f"\n## {runs}" if runs else "")).rstrip("\n") + "\n")
+    args.out.write_text(with_run_added(args.out.read_text() if args.out.exists() else "", run))
     print(f"added to {args.out}")
 
 

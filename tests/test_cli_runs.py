@@ -3,6 +3,7 @@ workers, which take a file each, share the end-to-end runs evenly): bad values c
 trial, places that take no file, verify, what a run says, --gpus."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import optuna
 import pytest
 import yaml
 
-from helpers import (SMALL_SPACE, SMALL_WORKLOAD, all_trials, load_benchmark, one_line_error, processes_left_in, run_cli, start_cli,
-                     stored_study, wait_for_second_measured_trial, write_profile)
+from helpers import (ROOT, SMALL_SPACE, SMALL_WORKLOAD, all_trials, load_benchmark, one_line_error, processes_left_in, run_cli,
+                     start_cli, stored_study, wait_for_second_measured_trial, write_profile)
 
 
 # ---- bad values caught before any trial -----------------------------------------------------------
@@ -325,6 +326,20 @@ def test_verify_checks_the_weights_are_here_before_replaying(cli, tmp_path):
     assert proc.returncode == 1
     assert one_line_error(proc) == f"autotune: error: profile p.yaml: no such model folder {tmp_path / 'gone'}"
     assert "replayed" not in proc.stdout and "-" * 3 not in proc.stdout  # no table: nothing was replayed
+
+
+def test_replay_fidelity_adds_its_run_under_the_opening_prose_and_above_the_earlier_runs():
+    add = load_benchmark("replay_fidelity").with_run_added
+    run = "## 2026-12-03 09:00, a CPU\n\n| row |\n"
+    assert add("", run) == "# Replay fidelity\n\n## 2026-12-03 09:00, a CPU\n\n| row |\n"
+    # a "## " line in the opening prose (here in a fence) is prose, not a run to put the new one above
+    prose = "# Replay fidelity\n\nHow to read it:\n\n```\n## not a run\n```\n"
+    older = "## 2026-12-02 14:48, a CPU\n\n| old |\n"
+    assert add(prose + "\n" + older, run) == prose + "\n" + run + "\n" + older
+    # the committed file: taking its newest run off and adding it back gives the file unchanged
+    committed = (ROOT / "benchmarks" / "results" / "replay_fidelity.md").read_text()
+    top, newest, rest = re.split(r"^(?=## \d{4}-)", committed, maxsplit=2, flags=re.MULTILINE)
+    assert add(top + rest, newest) == committed
 
 
 @pytest.mark.slow
@@ -734,6 +749,7 @@ def test_a_second_stop_signal_during_the_clean_up_changes_nothing(tmp_path):
 # tests/gpu/test_gpu_workers.py runs --gpus on a real GPU.
 FAKE_GPUS = """
 import os
+import re
 if os.environ.get("AUTOTUNE_FAKE_GPUS"):
     import autotune.cli as cli
     import autotune.fingerprint as fp
