@@ -315,6 +315,10 @@ def _loaded_quantized(unet, library: str):
     (lambda pipe: pipe.vae.decoder.to(memory_format=torch.channels_last), "vae in channels_last"),
     (lambda pipe: (pipe.unet.compile_repeated_blocks(), pipe.vae.decoder.compile()),
      "unet blocks compiled; vae blocks compiled"),
+    # a method swapped for its compiled form, as the guides compile the VAE's decode: passed as fresh
+    (lambda pipe: (setattr(pipe.vae, "decode", torch.compile(pipe.vae.decode)),
+                   setattr(pipe.unet, "forward", torch.compile(pipe.unet.forward))),
+     "unet forward compiled; vae decode compiled"),
     (lambda pipe: pipe.unet.set_default_attn_processor(), "unet attention processors (AttnProcessor)"),
     (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "torchao")), "unet quantized when loaded (torchao)"),
     # quanto's weights are no torchao tensors: such a pipeline took the profile in silence

@@ -316,6 +316,13 @@ def settings_found(pipe) -> list[str]:
             found.append(f"{name} compiled")
         elif any(getattr(m, "_compiled_call_impl", None) is not None for m in modules):  # regional, the VAE's decoder
             found.append(f"{name} blocks compiled")
+        # a method replaced by its compiled form, as the guides do (`pipe.vae.decode =
+        # torch.compile(pipe.vae.decode)`): torch.compile's wrapper keeps the function it wraps
+        # (module.compile() keeps one too, as _compiled_call_impl: said above)
+        methods = sorted({attr for m in modules for attr, value in vars(m).items()
+                          if not attr.startswith("_") and hasattr(value, "_torchdynamo_orig_callable")})
+        if methods:
+            found.append(f"{name} {', '.join(methods)} compiled")
         hooks = sorted({hook for m in modules for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})})
         if hooks:
             found.append(f"{name} hooks ({', '.join(hooks)})")
