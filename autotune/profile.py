@@ -103,6 +103,8 @@ def build(req, outcome, storage_label: str) -> dict:
         # class). Tiny and random-weight models are built from autotune's own configs: none kept,
         # and no tiny pipeline built in the parent to read one.
         "denoiser_config": recorded_config(denoiser_config(req.spec)) if req.spec.kind == "pretrained" else None,
+        # its components' classes as measured, for the same reason (a tiny VAE put in the folder since)
+        "component_classes": component_classes(req.spec) if req.spec.kind == "pretrained" else None,
         "workload": req.workload.to_dict(),
         "budget": {"memory_bytes": budget, "margin": req.margin, "margin_bytes": req.margin_bytes},
         "measurement": {
@@ -435,7 +437,7 @@ class Profile:
 
         # A component swapped for another class (a tiny VAE for SDXL's): other figures, and knobs
         # made for the measured one may fail on it part-way (fused QKV on a tiny VAE).
-        for name, measured in (component_classes(self.model) or {}).items():
+        for name, measured in self._measured_components().items():
             component = getattr(pipe, name, None)
             if isinstance(component, torch.nn.Module) and type(component).__name__ != measured:
                 warnings.warn(f"this pipeline's {name} is a {type(component).__name__}, where {self.model.name}'s is a "
@@ -445,6 +447,12 @@ class Profile:
         if differ:
             warnings.warn(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({differ}): "
                           "the profile's figures were measured on another model", ProfileMismatchWarning, stacklevel=3)
+
+    def _measured_components(self) -> dict[str, str]:
+        """The class of each component as measured: the profile's record (profiles before
+        2026-12-02 hold none, nor do tiny and random-weight models': then the model's files as they
+        are here, which autotune's own models are built from)."""
+        return self.data.get("component_classes") or component_classes(self.model) or {}
 
     def _architecture_differences(self, here) -> str:
         """How the denoiser config `here` differs from the one measured: the profile's record of it
@@ -476,8 +484,19 @@ class Profile:
         if differ:
             warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
                           "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
+        now = component_classes(self.model) if self.data.get("component_classes") else None
+        swapped = [f"{name} is a {now[name]} now, a {measured} profiled" for name, measured in
+                   self._measured_components().items() if now and name in now and now[name] != measured]
+        if swapped:
+            warnings.warn(f"{self.model.name}'s {'; '.join(swapped)}: the profile's figures were measured with "
+                          "the other", ProfileMismatchWarning, stacklevel=2)
         self._set_measured_threads(target)
-        return build_configured(self.model, config, target)
+        try:
+            return build_configured(self.model, config, target)
+        except (AutotuneError, Warning):  # one line already; a warning raised as an error is the caller's
+            raise
+        except Exception as exc:  # diffusers' or torch's, on a model unlike the measured one: said in one line, as apply says it
+            raise ProfileError(f"loading the profiled pipeline failed ({type(exc).__name__}: {first_line(exc)})") from exc
 
     def _set_measured_threads(self, target: Target) -> None:
         """A profile measured on a CPU and served on one: torch's thread count as the trials had
@@ -586,7 +605,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
 # lacks them, wherever it was cut, but in the last line.
 REQUIRED_MAPPINGS = ("model", "workload", "budget", "machine", "software", "study")
 LAST_KEY = ("study", "choice")
-OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline", "denoiser_config")
+OPTIONAL_MAPPINGS = ("measurement", "quality_guard", "baseline", "denoiser_config", "component_classes")
 # Point figures that are formatted as numbers where present (show, verify, report).
 OPTIONAL_POINT_NUMBERS = ("p90_s", "cold_start_s", "headroom_bytes", "speedup_vs_baseline")
 
@@ -685,6 +704,11 @@ def validate(data, path) -> None:
             raise ProfileError(
                 f"profile {path}: section '{section}' must be a mapping or null, not {data[section]!r:.40}"
             )
+    classes = data.get("component_classes") or {}
+    odd = next((f"{k!r:.40}: {v!r:.40}" for k, v in classes.items() if not (isinstance(k, str) and isinstance(v, str))), None)
+    if odd:
+        raise ProfileError(f"profile {path}: component_classes maps a component's name to its class name "
+                           f"(vae: AutoencoderKL), not {odd}")
     if not fingerprint.is_device_name(data["machine"].get("device")):
         raise ProfileError(f"profile {path}: machine.device must name a device (cpu, cuda, cuda:N), "
                            f"not {data['machine'].get('device')!r:.40}")

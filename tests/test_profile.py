@@ -225,6 +225,42 @@ def test_the_denoiser_is_compared_with_the_one_measured_not_with_the_files_as_th
         load_profile(profile_io.save(doc, tmp_path / "r.yaml")).load_pipeline()
 
 
+def test_a_component_swapped_in_the_folder_since_is_said_and_a_knob_it_breaks_fails_in_one_line(tmp_path):
+    """The classes checked were read from the folder's model_index.json at serving time: a tiny VAE
+    put in the folder since the study passed in silence, and the profile's fused QKV then failed
+    inside diffusers with a traceback (helper-12). A profile records the classes as measured."""
+    from diffusers import AutoencoderTiny
+
+    from autotune.models import build_pipeline, component_classes
+
+    folder = tmp_path / "model"
+    pipe = build_pipeline(resolve_model("tiny-sd15"))
+    pipe.save_pretrained(folder)
+    doc = document()
+    doc["model"] = {**doc["model"], "kind": "pretrained", "source": str(folder), "name": str(folder)}
+    doc["component_classes"] = component_classes(resolve_model(str(folder)))  # as build() records them
+    doc["best"]["config"]["fuse_qkv"] = True
+    doc["pareto"][1] = doc["best"]
+    pipe.vae = AutoencoderTiny(encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                               num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1),
+                               latent_channels=pipe.vae.config.latent_channels)
+    pipe.save_pretrained(folder)  # the folder now: its index names the tiny VAE
+    profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
+    with pytest.warns(ProfileMismatchWarning, match=r"'s vae is a AutoencoderTiny now, a AutoencoderKL profiled: "
+                                                    "the profile's figures were measured with the other"), \
+            pytest.raises(ProfileError, match=r"^loading the profiled pipeline failed \(ValueError: "
+                                              r".fuse_qkv_projections\(\). is only supported for the VAE of type"):
+        profile.load_pipeline()
+    # a pipeline loaded from that folder and handed to apply: compared with the record, not the folder
+    with pytest.warns(ProfileMismatchWarning, match=r"this pipeline's vae is a AutoencoderTiny, where .*'s is a "
+                                                    "AutoencoderKL"), pytest.raises(ProfileError):
+        profile.apply(pipe.from_pretrained(folder))
+    # a record that is no mapping of names to class names is refused when read
+    doc["component_classes"] = {"vae": ["diffusers", "AutoencoderKL"]}
+    with pytest.raises(ProfileError, match=r"component_classes maps a component's name to its class name"):
+        load_profile(profile_io.save(doc, tmp_path / "odd.yaml"))
+
+
 def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
     """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
     profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""
