@@ -499,12 +499,14 @@ class Profile:
             raise ProfileError(f"loading the profiled pipeline failed ({type(exc).__name__}: {first_line(exc)})") from exc
 
     def _set_measured_threads(self, target: Target) -> None:
-        """A profile measured on a CPU and served on one: torch's thread count as the trials had
-        it, part of what was measured (tiny-sd15 took 609 ms a call with 1 thread and 4811 ms
-        with 2, on 2 cores another process was using: a count above the free cores costs most),
-        and inductor's CPU kernels keep the count they were compiled with. Capped at the cores
-        usable here, with a warning. A GPU's trials left torch's default: so is it left here."""
-        if target.device != "cpu" or self.data["machine"]["device"] != "cpu" or not self.threads:
+        """torch's CPU thread count as the trials had it, served on the kind of device measured:
+        part of what was measured (tiny-sd15 took 609 ms a call with 1 thread and 4811 ms with 2,
+        on 2 cores another process was using: a count above the free cores costs most), and
+        inductor's CPU kernels keep the count they were compiled with. A GPU's trials set it too
+        (--threads, else torch's default where they ran): the host's share of a call, and a CPU
+        offload's. Capped at the cores usable here, with a warning."""
+        measured_on = self.data["machine"]["device"].partition(":")[0]
+        if target.device.partition(":")[0] != measured_on or not self.threads:
             return
         import torch
 

@@ -16,7 +16,7 @@ import yaml
 
 from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, fingerprint, load_profile
 from autotune import profile as profile_io
-from autotune.knobs import APPLIED, baseline
+from autotune.knobs import APPLIED, Target, baseline
 from autotune.models import resolve_model
 from helpers import run_cli
 
@@ -264,7 +264,7 @@ def test_a_component_swapped_in_the_folder_since_is_said_and_a_knob_it_breaks_fa
 def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
     """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
     profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""
-    from autotune.knobs import Target, unrunnable
+    from autotune.knobs import unrunnable
 
     doc = document()
     doc["best"]["config"]["vae_slicing"] = True
@@ -1307,6 +1307,17 @@ def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_pa
         # process-wide: the pipeline configured with 1 before now runs with as many (helper-13)
         assert any(line.startswith("torch's CPU thread count: a pipeline configured earlier in this process")
                    for line in said) == (len(os.sched_getaffinity(0)) > 1)
+        # a GPU's trials set the count too (worker.run sets the request's threads on any device):
+        # served on a GPU, so is it here (it was left at torch's default; helper-12). No GPU here:
+        # the step after the build is called with the target load_pipeline would make for one.
+        doc["machine"] = {**doc["machine"], "device": "cuda:0"}
+        doc["measurement"] = {"threads": 1}
+        gpu = load_profile(profile_io.save(doc, tmp_path / "gpu.yaml"), check_fingerprint=False)
+        torch.set_num_threads(2)
+        gpu._set_measured_threads(Target(device="cpu", family="sd15"))  # another kind of device: left
+        assert torch.get_num_threads() == 2
+        gpu._set_measured_threads(Target(device="cuda:0", family="sd15"))
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
