@@ -7,7 +7,10 @@
 
 from .errors import AutotuneError, ModelError, ProfileError, SpaceError
 
-__version__ = "0.1.0"
+# Raised when a knob's apply changes the state it makes: a profile written by another version says
+# so when loaded (its software.autotune against this). 0.2.0: how an SDPA kernel is held under
+# compile, and the GPU group offload's stream is made on, changed since 0.1.0 (2026-11-22).
+__version__ = "0.2.0"
 
 _PROFILE_NAMES = ("Profile", "ProfileMismatchWarning", "load_profile")
 

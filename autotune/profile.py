@@ -40,7 +40,8 @@ from .workload import Workload, is_number
 FORMAT_VERSION = 1
 # Fingerprint keys whose difference makes the measured figures doubtful here.
 MACHINE_KEYS = ("device", "name", "memory_bytes", "capability")
-SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
+# autotune's own version too: a knob whose apply changed since is another state than the one measured
+SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers", "autotune")
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
 
 

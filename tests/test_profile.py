@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, fingerprint, load_profile
+from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, __version__, fingerprint, load_profile
 from autotune import profile as profile_io
 from autotune.knobs import APPLIED, Target, baseline
 from autotune.models import resolve_model
@@ -668,7 +668,7 @@ def test_an_empty_profile_path_is_named_so():
         (lambda p: p.write_text(p.read_text().replace("channels_last: true", "warp_drive: true", 1)), "unknown knob"),
         # a knob an autotune newer than this one added: said so (helper 66)
         (lambda p: edit(p, lambda d: (d["software"].update(autotune="99.0"), d["best"]["config"].update(warp_drive=True))),
-         "best.config: unknown knob(s): 'warp_drive' (written by autotune 99.0, newer than this 0.1.0: upgrade autotune"),
+         f"best.config: unknown knob(s): 'warp_drive' (written by autotune 99.0, newer than this {__version__}: upgrade autotune"),
         (lambda p: p.write_text("autotune_profile: !!python/object/apply:os.getpid []\n"),
          "uses the tag !!python/object/apply:os.getpid at line 1, which safe loading refuses"),
         # a key YAML reads as a number: a TypeError from the message's join, where it was said
@@ -1106,6 +1106,18 @@ def test_a_package_not_installed_here_is_said_so(tmp_path):
         load_profile(path)
     lines = [str(w.message) for w in caught if w.category is ProfileMismatchWarning]
     assert lines == [f"profile {path}: xformers: profiled on '0.0.30', not installed here"]
+
+
+def test_a_profile_written_by_another_autotune_says_so(tmp_path):
+    # a knob's apply may have changed since (how an SDPA kernel is held under compile did): the
+    # version that wrote it was recorded and never compared (helper-12)
+    doc = document()
+    doc["software"]["autotune"] = "0.1.0"
+    path = profile_io.save(doc, tmp_path / "p.yaml")
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        load_profile(path)
+    lines = [str(w.message) for w in caught if w.category is ProfileMismatchWarning]
+    assert lines == [f"profile {path}: autotune: profiled on '0.1.0', here {__version__!r}"]
 
 
 @pytest.mark.parametrize("section, key, value, message", [
