@@ -1334,6 +1334,37 @@ def test_on_a_cpu_the_profile_holds_the_thread_count_it_was_measured_with(tmp_pa
         torch.set_num_threads(before)
 
 
+def test_a_serving_process_whose_own_torch_flags_a_false_choice_keeps_is_told(tmp_path):
+    # tf32=False and cudnn_benchmark=False keep what the serving process set before (not to
+    # override its owner); the trials ran with torch's defaults, and that was said nowhere (helper-12)
+    from autotune.knobs.base import ProcessSettings
+
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    profile = load_profile(profile_io.save(document(), tmp_path / "p.yaml"), check_fingerprint=False)
+    try:
+        with warnings.catch_warnings():  # torch's defaults, as the trials had them: nothing to say
+            warnings.filterwarnings("error", message=".*set before the profile was applied")
+            profile.apply(build_tiny_unconfigured())
+        ProcessSettings.forget()  # another serving process, which sets its own first
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cudnn.benchmark = True
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            profile.apply(build_tiny_unconfigured())
+        said = [str(w.message) for w in said if "set before the profile was applied" in str(w.message)]
+        assert said == [
+            "the float32 matmul precision is 'medium' in this process, set before the profile was applied, and kept; its "
+            "trials ran with torch's default 'highest', so this pipeline may run faster or slower and compute slightly "
+            "otherwise than measured (torch.set_float32_matmul_precision('highest') to serve what was measured)",
+            "torch.backends.cudnn.benchmark is True in this process, set before the profile was applied, and kept; its "
+            "trials ran with torch's default False, so this pipeline may run faster or slower and compute slightly "
+            "otherwise than measured (set it to False to serve what was measured)"]
+        assert torch.get_float32_matmul_precision() == "medium"  # kept, as before
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.benchmark = saved[1]
+
+
 def test_applying_a_profile_to_a_pipeline_loaded_in_another_dtype_says_the_load_differed(written, tmp_path):
     # cast to the profile's dtype, the state is the trial's; the load held float32 weights first
     from autotune.models import build_pipeline

@@ -128,6 +128,22 @@ _TORCH_FLAGS = ProcessSettings(lambda: {"matmul": _matmul_precision(), "cudnn_tf
                                         "cudnn_benchmark": torch.backends.cudnn.benchmark})
 
 
+# torch's own defaults, which the trials ran with (each a fresh process) under both False choices.
+_TORCH_DEFAULTS = {"matmul": "highest", "cudnn_tf32": True, "cudnn_benchmark": False}
+
+
+def _kept_otherwise(flag: str, said: str, reset: str) -> None:
+    """Warn where a False choice keeps a setting the serving process made before autotune set any
+    (False keeps it, not to override its owner) and that is not what the trials measured."""
+    had = _TORCH_FLAGS.before()[flag]
+    if had is not None and had != _TORCH_DEFAULTS[flag]:
+        import warnings
+
+        warnings.warn(f"{said} is {had!r} in this process, set before the profile was applied, and kept; its trials "
+                      f"ran with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower "
+                      f"and compute slightly otherwise than measured ({reset} to serve what was measured)", stacklevel=5)
+
+
 def _apply_tf32(pipe, value, target, config):
     # Through the process-wide matmul precision, which sets cuBLAS's TF32 as the per-backend
     # setter would. Inductor still reads it (torch.get_float32_matmul_precision), and that getter
@@ -141,6 +157,9 @@ def _apply_tf32(pipe, value, target, config):
     # True makes sure of it, False keeps what the process had.
     torch.backends.cudnn.allow_tf32 = True if value else before["cudnn_tf32"]
     _TORCH_FLAGS.configured("TF32 (torch's float32 matmul precision)", (matmul, torch.backends.cudnn.allow_tf32))
+    if not value:
+        _kept_otherwise("matmul", "the float32 matmul precision", "torch.set_float32_matmul_precision('highest')")
+        _kept_otherwise("cudnn_tf32", "torch.backends.cudnn.allow_tf32", "set it to True")
 
 
 TF32 = Knob(
@@ -159,6 +178,8 @@ def _apply_cudnn_benchmark(pipe, value, target, config):
     # fastest (the warm-up pays for it).
     torch.backends.cudnn.benchmark = True if value else _TORCH_FLAGS.before()["cudnn_benchmark"]
     _TORCH_FLAGS.configured("cuDNN benchmark", torch.backends.cudnn.benchmark)
+    if not value:
+        _kept_otherwise("cudnn_benchmark", "torch.backends.cudnn.benchmark", "set it to False")
 
 
 CUDNN_BENCHMARK = Knob(
