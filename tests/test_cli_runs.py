@@ -749,7 +749,6 @@ def test_a_second_stop_signal_during_the_clean_up_changes_nothing(tmp_path):
 # tests/gpu/test_gpu_workers.py runs --gpus on a real GPU.
 FAKE_GPUS = """
 import os
-import re
 if os.environ.get("AUTOTUNE_FAKE_GPUS"):
     import autotune.cli as cli
     import autotune.fingerprint as fp

@@ -354,7 +354,10 @@ def _loaded_quantized(unet, library: str):
     # a method swapped for its compiled form, as the guides compile the VAE's decode: passed as fresh
     (lambda pipe: (setattr(pipe.vae, "decode", torch.compile(pipe.vae.decode)),
                    setattr(pipe.unet, "forward", torch.compile(pipe.unet.forward))),
-     "unet forward compiled; vae decode compiled"),
+     "unet.forward compiled; vae.decode compiled"),
+    (lambda pipe: setattr(pipe.vae.decoder, "forward", torch.compile(pipe.vae.decoder.forward)),
+     "vae.decoder.forward compiled"),
+    (lambda pipe: setattr(pipe, "unet", torch.compile(pipe.unet)), "unet compiled"),  # once, not its forward too
     (lambda pipe: pipe.unet.set_default_attn_processor(), "unet attention processors (AttnProcessor)"),
     (lambda pipe: setattr(pipe, "unet", _loaded_quantized(pipe.unet, "torchao")), "unet quantized when loaded (torchao)"),
     # quanto's weights are no torchao tensors: such a pipeline took the profile in silence
@@ -547,7 +550,9 @@ def test_a_pipeline_made_of_a_configured_ones_parts_is_refused(tmp_path):
 
     configured = _profile_with(tmp_path / "m.yaml", attention="sdpa-math").load_pipeline()
     again = StableDiffusionPipeline(**configured.components)
-    with pytest.raises(ProfileError, match=r"unet held to SDPA's MATH kernel \(by an autotune configuration\)"):
+    # the hold alone: its torch.compiler.disable wrapper is no compiled forward
+    with pytest.raises(ProfileError, match=r"settings of its own \(unet in channels_last; unet held to SDPA's MATH "
+                                           r"kernel \(by an autotune configuration\); vae in channels_last\): apply"):
         _profile_with(tmp_path / "b.yaml").apply(again)
 
 

@@ -314,15 +314,17 @@ def settings_found(pipe) -> list[str]:
         modules = list(model.modules())
         if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
             found.append(f"{name} compiled")
-        elif any(getattr(m, "_compiled_call_impl", None) is not None for m in modules):  # regional, the VAE's decoder
-            found.append(f"{name} blocks compiled")
-        # a method replaced by its compiled form, as the guides do (`pipe.vae.decode =
-        # torch.compile(pipe.vae.decode)`): torch.compile's wrapper keeps the function it wraps
-        # (module.compile() keeps one too, as _compiled_call_impl: said above)
-        methods = sorted({attr for m in modules for attr, value in vars(m).items()
-                          if not attr.startswith("_") and hasattr(value, "_torchdynamo_orig_callable")})
-        if methods:
-            found.append(f"{name} {', '.join(methods)} compiled")
+        else:
+            if any(getattr(m, "_compiled_call_impl", None) is not None for m in modules):  # regional, the VAE's decoder
+                found.append(f"{name} blocks compiled")
+            # a method replaced by its compiled form, as the guides do (`pipe.vae.decode =
+            # torch.compile(pipe.vae.decode)`): torch.compile's wrapper keeps the function it wraps.
+            # Not torch.compiler.disable's, which wraps alike (autotune's SDPA kernel hold: below).
+            methods = [f"{'.'.join(filter(None, (name, path, attr)))}" for path, m in model.named_modules()
+                       for attr, value in vars(m).items() if not attr.startswith("_")
+                       and hasattr(value, "_torchdynamo_orig_callable") and not getattr(value, "_torchdynamo_disable", False)]
+            if methods:
+                found.append(f"{', '.join(methods)} compiled")
         hooks = sorted({hook for m in modules for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})})
         if hooks:
             found.append(f"{name} hooks ({', '.join(hooks)})")
