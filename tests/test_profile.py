@@ -16,7 +16,7 @@ import yaml
 
 from autotune import AutotuneError, ProfileError, ProfileMismatchWarning, __version__, fingerprint, load_profile
 from autotune import profile as profile_io
-from autotune.knobs import APPLIED, Target, baseline
+from autotune.knobs import APPLIED, CATALOGUE, Target, baseline
 from autotune.models import resolve_model
 from helpers import run_cli
 
@@ -427,7 +427,6 @@ def test_a_swapped_vae_is_said_and_a_failure_part_way_is_one_line(tmp_path):
                                            r"configuration to a freshly loaded pipeline$"):
         profile.apply(pipe)
     # autotune's own error part-way (a setting this machine refuses once begun) says it too
-    from autotune.knobs import CATALOGUE
 
     def refused(pipe, value, target, config):
         raise AutotuneError("channels_last=True cannot be held here")
@@ -1348,7 +1347,7 @@ def test_a_serving_process_whose_own_torch_flags_a_false_choice_keeps_is_told(tm
     profile = load_profile(profile_io.save(document(), tmp_path / "p.yaml"), check_fingerprint=False)
     try:
         with warnings.catch_warnings():  # torch's defaults, as the trials had them: nothing to say
-            warnings.filterwarnings("error", message=".*set before the profile was applied")
+            warnings.filterwarnings("error", message=".*when autotune first configured")
             profile.apply(build_tiny_unconfigured())
         ProcessSettings.forget()  # another serving process, which sets its own first
         torch.set_float32_matmul_precision("medium")
@@ -1356,14 +1355,17 @@ def test_a_serving_process_whose_own_torch_flags_a_false_choice_keeps_is_told(tm
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             profile.apply(build_tiny_unconfigured())
-        said = [str(w.message) for w in said if "set before the profile was applied" in str(w.message)]
+        said = [str(w.message) for w in said if "when autotune first configured" in str(w.message)]
+        # cuDNN's benchmark is no CPU pipeline's: not said of a CPU profile
         assert said == [
-            "the float32 matmul precision is 'medium' in this process, set before the profile was applied, and kept; its "
-            "trials ran with torch's default 'highest', so this pipeline may run faster or slower and compute slightly "
-            "otherwise than measured (torch.set_float32_matmul_precision('highest') to serve what was measured)",
-            "torch.backends.cudnn.benchmark is True in this process, set before the profile was applied, and kept; its "
-            "trials ran with torch's default False, so this pipeline may run faster or slower and compute slightly "
-            "otherwise than measured (set it to False to serve what was measured)"]
+            "the float32 matmul precision was 'medium' in this process when autotune first configured a pipeline in it, "
+            "and tf32: false keeps that; its trials ran with torch's default 'highest', so this pipeline may run faster "
+            "or slower and compute slightly otherwise than measured (torch.set_float32_matmul_precision('highest') "
+            "before the first profile is applied, to serve what was measured)"]
+        # on a GPU it is (no GPU here: the knob applied with the target a GPU's profile makes)
+        with pytest.warns(UserWarning, match=r"^torch.backends.cudnn.benchmark was True in this process when autotune "
+                                             r"first configured a pipeline in it, and cudnn_benchmark: false keeps that"):
+            CATALOGUE["cudnn_benchmark"].apply(None, False, Target(device="cuda:0", family="sd15"), {})
         assert torch.get_float32_matmul_precision() == "medium"  # kept, as before
     finally:
         torch.set_float32_matmul_precision(saved[0])

@@ -132,16 +132,19 @@ _TORCH_FLAGS = ProcessSettings(lambda: {"matmul": _matmul_precision(), "cudnn_tf
 _TORCH_DEFAULTS = {"matmul": "highest", "cudnn_tf32": True, "cudnn_benchmark": False}
 
 
-def _kept_otherwise(flag: str, said: str, reset: str) -> None:
-    """Warn where a False choice keeps a setting the serving process made before autotune set any
-    (False keeps it, not to override its owner) and that is not what the trials measured."""
+def _kept_otherwise(flag: str, knob: str, said: str, reset: str) -> None:
+    """Warn where a False choice puts back a setting the serving process had made before autotune
+    first set any (False keeps it, not to override its owner) and that is not what the trials
+    measured."""
     had = _TORCH_FLAGS.before()[flag]
     if had is not None and had != _TORCH_DEFAULTS[flag]:
         import warnings
 
-        warnings.warn(f"{said} is {had!r} in this process, set before the profile was applied, and kept; its trials "
-                      f"ran with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower "
-                      f"and compute slightly otherwise than measured ({reset} to serve what was measured)", stacklevel=5)
+        warnings.warn(f"{said} was {had!r} in this process when autotune first configured a pipeline in it, and "
+                      f"{knob}: false keeps that; its trials ran "
+                      f"with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower and "
+                      f"compute slightly otherwise than measured ({reset} before the first profile is applied, to serve "
+                      "what was measured)", stacklevel=5)
 
 
 def _apply_tf32(pipe, value, target, config):
@@ -158,8 +161,9 @@ def _apply_tf32(pipe, value, target, config):
     torch.backends.cudnn.allow_tf32 = True if value else before["cudnn_tf32"]
     _TORCH_FLAGS.configured("TF32 (torch's float32 matmul precision)", (matmul, torch.backends.cudnn.allow_tf32))
     if not value:
-        _kept_otherwise("matmul", "the float32 matmul precision", "torch.set_float32_matmul_precision('highest')")
-        _kept_otherwise("cudnn_tf32", "torch.backends.cudnn.allow_tf32", "set it to True")
+        _kept_otherwise("matmul", "tf32", "the float32 matmul precision", "torch.set_float32_matmul_precision('highest')")
+        if target.device.startswith("cuda"):  # cuDNN runs nothing of a CPU pipeline
+            _kept_otherwise("cudnn_tf32", "tf32", "torch.backends.cudnn.allow_tf32", "set it to True")
 
 
 TF32 = Knob(
@@ -178,8 +182,8 @@ def _apply_cudnn_benchmark(pipe, value, target, config):
     # fastest (the warm-up pays for it).
     torch.backends.cudnn.benchmark = True if value else _TORCH_FLAGS.before()["cudnn_benchmark"]
     _TORCH_FLAGS.configured("cuDNN benchmark", torch.backends.cudnn.benchmark)
-    if not value:
-        _kept_otherwise("cudnn_benchmark", "torch.backends.cudnn.benchmark", "set it to False")
+    if not value and target.device.startswith("cuda"):
+        _kept_otherwise("cudnn_benchmark", "cudnn_benchmark", "torch.backends.cudnn.benchmark", "set it to False")
 
 
 CUDNN_BENCHMARK = Knob(
