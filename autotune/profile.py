@@ -45,6 +45,11 @@ SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers", "a
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
 
 
+# Out of memory, on the host or the device: passed through apply and load_pipeline as raised, for
+# a serving process that catches them to load a smaller point (budget_bytes) or wait.
+RESOURCE_ERRORS = (MemoryError, torch.OutOfMemoryError)
+
+
 class ProfileMismatchWarning(UserWarning):
     """The machine or libraries differ from those the profile was measured on."""
 
@@ -389,7 +394,7 @@ class Profile:
         except AutotuneError as exc:  # configured already, or a setting this machine cannot hold: this profile's error
             # marked by this call (apply_config marks a pipeline as it begins): stopped part-way
             raise ProfileError(f"{exc}{partly if getattr(pipe, APPLIED, None) and not marked_before else ''}") from None
-        except Warning:  # a warning raised as an error (-W error): the caller's to see as it is
+        except (Warning, *RESOURCE_ERRORS):  # a warning raised as an error (-W error), memory: the caller's as they are
             raise
         except Exception as exc:  # diffusers' or torch's, on a pipeline unlike the measured one: said in one line
             raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}){partly}") from exc
@@ -494,7 +499,7 @@ class Profile:
         self._set_measured_threads(target)
         try:
             return build_configured(self.model, config, target)
-        except (AutotuneError, Warning):  # one line already; a warning raised as an error is the caller's
+        except (AutotuneError, Warning, *RESOURCE_ERRORS):  # one line already; the caller's as they are
             raise
         except Exception as exc:  # diffusers' or torch's, on a model unlike the measured one: said in one line, as apply says it
             raise ProfileError(f"loading the profiled pipeline failed ({type(exc).__name__}: {first_line(exc)})") from exc

@@ -133,6 +133,10 @@ def ran_out_of_budgeted_memory(result: dict) -> bool:
 def classify(exc: BaseException) -> str:
     import torch
 
+    from .errors import ProfileError
+
+    if isinstance(exc, ProfileError) and exc.__cause__ is not None:  # verify's load_pipeline said it in one line
+        return classify(exc.__cause__)
     text = f"{type(exc).__name__}: {exc}".lower()
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or _host_memory_ran_out(exc):
         return OUT_OF_MEMORY

@@ -261,6 +261,28 @@ def test_a_component_swapped_in_the_folder_since_is_said_and_a_knob_it_breaks_fa
         load_profile(profile_io.save(doc, tmp_path / "odd.yaml"))
 
 
+def test_running_out_of_memory_while_loading_is_passed_through_as_raised(tmp_path, monkeypatch):
+    """load_pipeline said every failure as a ProfileError: a serving process that catches
+    torch.OutOfMemoryError, to load a smaller point, no longer saw one (helper-13). No memory runs
+    out on purpose here: the build stands in for one that did (knobs.build_configured reads
+    models.build_pipeline at each call)."""
+    from autotune import models
+
+    def build_raising(error):
+        def build(*args, **kwargs):
+            raise error
+        return build
+
+    profile = load_profile(profile_io.save(document(), tmp_path / "p.yaml"), check_fingerprint=False)
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()):
+        monkeypatch.setattr(models, "build_pipeline", build_raising(error))
+        with pytest.raises(type(error)):
+            profile.load_pipeline()
+    monkeypatch.setattr(models, "build_pipeline", build_raising(KeyError("vae")))  # others: one line
+    with pytest.raises(ProfileError, match=r"^loading the profiled pipeline failed \(KeyError: 'vae'\)$"):
+        profile.load_pipeline()
+
+
 def test_a_choice_that_runs_and_changes_nothing_here_is_served_as_written(tmp_path):
     """The search drops VAE slicing at batch size 1 (no trial spent on what changes nothing); a
     profile edited to hold it was refused as "cannot run" (helper 66), though it runs."""

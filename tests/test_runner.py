@@ -349,6 +349,15 @@ def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path)
     assert cut["cores_taken_by_others"] >= 0.5, cut
 
 
+def _said_by_load_pipeline(cause: Exception) -> Exception:
+    from autotune.errors import ProfileError
+
+    try:
+        raise ProfileError(f"loading the profiled pipeline failed ({type(cause).__name__}: {cause})") from cause
+    except ProfileError as exc:
+        return exc
+
+
 @pytest.mark.parametrize(
     "exc, status",
     [
@@ -366,6 +375,10 @@ def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path)
         (RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph."),
          worker.UNSUPPORTED),  # SDPA's cuDNN kernel, on a GPU or shapes it does not cover
         (ValueError("something else"), worker.ERROR),
+        # verify replays through load_pipeline, which says a failure in one line: judged by its cause
+        (_said_by_load_pipeline(NotImplementedError("Could not run 'aten::x' with arguments from the 'CPU' backend")),
+         worker.UNSUPPORTED),
+        (_said_by_load_pipeline(ValueError("something else")), worker.ERROR),
     ],
 )
 def test_classify(exc, status):
