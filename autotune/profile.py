@@ -40,8 +40,7 @@ from .workload import Workload, is_number
 FORMAT_VERSION = 1
 # Fingerprint keys whose difference makes the measured figures doubtful here.
 MACHINE_KEYS = ("device", "name", "memory_bytes", "capability")
-# autotune's own version too: a knob whose apply changed since is another state than the one measured
-SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers", "autotune")
+SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
 
 
@@ -266,7 +265,8 @@ class Profile:
 
     @property
     def threads(self) -> int | None:
-        """CPU threads the figures were measured with (load_pipeline and apply set them on a CPU)."""
+        """CPU threads the figures were measured with (load_pipeline and apply set them, served on
+        the kind of device measured: _set_measured_threads)."""
         return (self.data.get("measurement") or {}).get("threads")
 
     def measured_with(self) -> dict:
@@ -491,11 +491,11 @@ class Profile:
             warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
                           "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
         now = component_classes(self.model) if self.data.get("component_classes") else None
-        swapped = [f"{name} is a {now[name]} now, a {measured} profiled" for name, measured in
+        swapped = [f"{name} is {now[name]} now, {measured} when profiled" for name, measured in
                    self._measured_components().items() if now and name in now and now[name] != measured]
         if swapped:
-            warnings.warn(f"{self.model.name}'s {'; '.join(swapped)}: the profile's figures were measured with "
-                          "the other", ProfileMismatchWarning, stacklevel=2)
+            warnings.warn(f"{self.model.name}: its {'; '.join(swapped)}: the profile's figures were measured with "
+                          "the components as profiled", ProfileMismatchWarning, stacklevel=2)
         self._set_measured_threads(target)
         try:
             return build_configured(self.model, config, target)
@@ -555,9 +555,13 @@ class Profile:
         else:  # "here 'cpu'" misled where GPUs there are, only not that one
             gpus = fingerprint.cuda_device_count()
             here = {"device": f"no {device} ({gpus} GPU{'s' if gpus != 1 else ''} visible)" if gpus else "cpu"}
-        return fingerprint.differences(machine, here, MACHINE_KEYS) + fingerprint.differences(
-            self.data["software"], fingerprint.software(), SOFTWARE_KEYS, absent="not installed"
-        ) + self._knobs_not_named()
+        software, software_here = self.data["software"], fingerprint.software()
+        return (fingerprint.differences(machine, here, MACHINE_KEYS)
+                + fingerprint.differences(software, software_here, SOFTWARE_KEYS, absent="not installed")
+                # autotune's own version too: a knob whose apply changed since makes another state
+                # than the one measured (profiles of 2026-11-22 to 25 do not record it)
+                + fingerprint.differences(software, software_here, ("autotune",), absent="not recorded")
+                + self._knobs_not_named())
 
     def _knobs_not_named(self) -> list[str]:
         """autotune writes every knob of its catalogue into a profile: one it does not name was

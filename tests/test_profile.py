@@ -246,8 +246,8 @@ def test_a_component_swapped_in_the_folder_since_is_said_and_a_knob_it_breaks_fa
                                latent_channels=pipe.vae.config.latent_channels)
     pipe.save_pretrained(folder)  # the folder now: its index names the tiny VAE
     profile = load_profile(profile_io.save(doc, tmp_path / "p.yaml"))
-    with pytest.warns(ProfileMismatchWarning, match=r"'s vae is a AutoencoderTiny now, a AutoencoderKL profiled: "
-                                                    "the profile's figures were measured with the other"), \
+    with pytest.warns(ProfileMismatchWarning, match=r": its vae is AutoencoderTiny now, AutoencoderKL when profiled: "
+                                                    "the profile's figures were measured with the components as profiled"), \
             pytest.raises(ProfileError, match=r"^loading the profiled pipeline failed \(ValueError: "
                                               r".fuse_qkv_projections\(\). is only supported for the VAE of type"):
         profile.load_pipeline()
@@ -1144,6 +1144,12 @@ def test_a_profile_written_by_another_autotune_says_so(tmp_path):
         load_profile(path)
     lines = [str(w.message) for w in caught if w.category is ProfileMismatchWarning]
     assert lines == [f"profile {path}: autotune: profiled on '0.1.0', here {__version__!r}"]
+    del doc["software"]["autotune"]  # written before autotune recorded its version: not "not installed"
+    path = profile_io.save(doc, tmp_path / "q.yaml")
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        load_profile(path)
+    lines = [str(w.message) for w in caught if w.category is ProfileMismatchWarning]
+    assert lines == [f"profile {path}: autotune: not recorded when profiled, here {__version__!r}"]
 
 
 @pytest.mark.parametrize("section, key, value, message", [
