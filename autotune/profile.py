@@ -490,9 +490,10 @@ class Profile:
         if differ:
             warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
                           "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
-        now = component_classes(self.model) if self.data.get("component_classes") else None
-        swapped = [f"{name} is {now[name]} now, {measured} when profiled" for name, measured in
-                   self._measured_components().items() if now and name in now and now[name] != measured]
+        recorded = self.data.get("component_classes")  # else apply's check reads the folder: nothing to compare
+        now = (component_classes(self.model) or {}) if recorded else {}
+        swapped = [f"{name} is {now[name]} now, {measured} when profiled" for name, measured in (recorded or {}).items()
+                   if now.get(name, measured) != measured]
         if swapped:
             warnings.warn(f"{self.model.name}: its {'; '.join(swapped)}: the profile's figures were measured with "
                           "the components as profiled", ProfileMismatchWarning, stacklevel=2)
