@@ -311,7 +311,8 @@ def settings_found(pipe) -> list[str]:
         model = getattr(pipe, name, None)
         if model is None or not hasattr(model, "modules"):
             continue
-        modules = list(model.modules())
+        named = list(model.named_modules())
+        modules = [m for _, m in named]
         if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
             found.append(f"{name} compiled")
         else:
@@ -320,7 +321,7 @@ def settings_found(pipe) -> list[str]:
             # a method replaced by its compiled form, as the guides do (`pipe.vae.decode =
             # torch.compile(pipe.vae.decode)`): torch.compile's wrapper keeps the function it wraps.
             # Not torch.compiler.disable's, which wraps alike (autotune's SDPA kernel hold: below).
-            methods = [f"{'.'.join(filter(None, (name, path, attr)))}" for path, m in model.named_modules()
+            methods = [".".join(filter(None, (name, path, attr))) for path, m in named
                        for attr, value in vars(m).items() if not attr.startswith("_")
                        and hasattr(value, "_torchdynamo_orig_callable") and not getattr(value, "_torchdynamo_disable", False)]
             if methods:
