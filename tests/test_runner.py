@@ -350,12 +350,12 @@ def test_a_trial_cut_short_counts_a_neighbours_use_over_its_warm_calls(tmp_path)
 
 
 def _said_by_load_pipeline(cause: Exception) -> Exception:
+    """The ProfileError load_pipeline raises `from` a library's exception."""
     from autotune.errors import ProfileError
 
-    try:
-        raise ProfileError(f"loading the profiled pipeline failed ({type(cause).__name__}: {cause})") from cause
-    except ProfileError as exc:
-        return exc
+    said = ProfileError(f"loading the profiled pipeline failed ({type(cause).__name__}: {cause})")
+    said.__cause__ = cause
+    return said
 
 
 @pytest.mark.parametrize(
