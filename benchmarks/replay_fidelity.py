@@ -26,9 +26,9 @@ from autotune.console import config_changes
 # bfloat16 + fused QKV + channels_last 739 / 529 / 530 MiB; a fit needs the peak under 95% of the
 # budget, the 5% margin; MB is MiB here, as in autotune): float32 does not fit tiny-sdxl's and
 # tiny-sd15's budgets. tiny-sd3's configs all peak within about 4 MiB of each other (529-533 MiB
-# in one study): no budget leaves some out, and its budget fits all. The tiny models' peaks are mostly the process's own
-# (libraries, allocator) and move by a few MiB between machines and library versions (545MB
-# fitted nothing of tiny-sd15's in that run): --cases chooses others.
+# in one study): no budget leaves some out, and its budget fits all. The tiny models' peaks are
+# mostly the process's own (libraries, allocator) and move by a few MiB between machines and
+# library versions (545MB fitted nothing of tiny-sd15's in that run): --cases chooses others.
 CASES = [
     ("tiny-sdxl", "780MB"),
     ("tiny-sd15", "562MiB"),
