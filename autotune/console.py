@@ -383,6 +383,8 @@ def print_summary(out: Console, outcome, budget_bytes: int, margin_bytes: int = 
         out.print(f"choice: {outcome.choice_note}")
     if getattr(outcome, "ruled_out_note", None):
         out.print(f"note: {outcome.ruled_out_note}")
+    if getattr(outcome, "software_note", None):
+        out.print(f"note: {outcome.software_note}")
     if outcome.front:  # printed with one point too: its absence read as a summary cut short
         sizes = front_sizes([r.peak_memory_bytes for r in outcome.front])
         off_front = outcome.best is not None and outcome.best.number not in {r.number for r in outcome.front}

@@ -18,6 +18,8 @@ import psutil
 from .sizes import format_size
 
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "torchao", "xformers", "optuna")
+# The libraries whose versions change what a configuration measures (a kernel, a knob's code)
+SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
 
 
 def software() -> dict:

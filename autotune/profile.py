@@ -40,7 +40,6 @@ from .workload import Workload, is_number
 FORMAT_VERSION = 1
 # Fingerprint keys whose difference makes the measured figures doubtful here.
 MACHINE_KEYS = ("device", "name", "memory_bytes", "capability")
-SOFTWARE_KEYS = ("torch", "diffusers", "transformers", "torchao", "xformers")
 POINT_KEYS = ("config", "latency_s", "peak_memory_bytes")
 
 
@@ -121,7 +120,9 @@ def build(req, outcome, storage_label: str) -> dict:
         },
         "quality_guard": outcome.quality_guard,  # reference and PSNR threshold, None when off
         "machine": req.machine or fingerprint.machine(req.target.device),
-        "software": fingerprint.software(),
+        # what the pick was measured with (a study resumed after an upgrade holds trials of
+        # both); the software of this export for a trial measured before trials recorded it
+        "software": outcome.best.result.get("software") or fingerprint.software(),
         "best": best,
         "baseline": _point(outcome.baseline, budget) if outcome.baseline and outcome.baseline.latency_s else None,
         "pareto": [_point(r, budget) for r in outcome.front],
@@ -558,7 +559,7 @@ class Profile:
             here = {"device": f"no {device} ({gpus} GPU{'s' if gpus != 1 else ''} visible)" if gpus else "cpu"}
         software, software_here = self.data["software"], fingerprint.software()
         return (fingerprint.differences(machine, here, MACHINE_KEYS)
-                + fingerprint.differences(software, software_here, SOFTWARE_KEYS, absent="not installed")
+                + fingerprint.differences(software, software_here, fingerprint.SOFTWARE_KEYS, absent="not installed")
                 # autotune's own version too: a knob whose apply changed since makes another state
                 # than the one measured (profiles of 2026-11-22 to 25 do not record it)
                 + fingerprint.differences(software, software_here, ("autotune",), absent="not recorded")

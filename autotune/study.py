@@ -36,7 +36,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from . import quality, repair, runner, storages, worker
+from . import fingerprint, quality, repair, runner, storages, worker
 from .choice import changes, pareto_front as _front, pick
 from .console import config_changes, count, counts_text
 from .errors import AutotuneError, first_line
@@ -261,6 +261,7 @@ class StudyOutcome:
     confirmed_here: int = 0  # confirmation trials this worker measured
     choice_note: str | None = None  # why a simpler config was kept over a faster median, if it was
     ruled_out_note: str | None = None  # measured configs this autotune's rules now forbid, left out of the pick
+    software_note: str | None = None  # where its trials were measured under different library versions
     trials: list = field(default_factory=list, repr=False)  # every trial as read, for reports not to read again
 
     @property
@@ -553,6 +554,45 @@ def _ruled_out_now(config: Config, family: str | None) -> str | None:
         return None
 
 
+# What a trial's result records of the software that measured it (worker.run), compared across trials
+MEASURED_WITH = (*fingerprint.SOFTWARE_KEYS, "autotune")
+
+
+def software_note(records: list[TrialRecord]) -> str | None:
+    """Which versions measured which trials, where they differ (a study resumed, or joined by a
+    worker, after an upgrade): its latencies are compared across them all the same. None where
+    one set measured them all, or none recorded it (trials before 2026-12-02 did not)."""
+    recorded = [r.result["software"] for r in records if isinstance(r.result.get("software"), dict)]
+    varied = []
+    for key in MEASURED_WITH:
+        versions = Counter(str(software.get(key) or "none") for software in recorded)
+        if len(versions) > 1:
+            varied.append(f"{key} " + ", ".join(f"{v} ({count(n, 'trial')})" for v, n in versions.items()))
+    unrecorded = len(records) - len(recorded)
+    if recorded and unrecorded:
+        varied.append(f"{count(unrecorded, 'trial')} measured before trials recorded it")
+    if not varied:
+        return None
+    return (f"its trials were measured under different software ({'; '.join(varied)}), and their latencies are "
+            "compared all the same: a new --study-name measures under one")
+
+
+def _software_changed(trials: list, study_name: str) -> str | None:
+    """What differs between the software of a study's last measured trial and this run's, said
+    before this run's trials mix with its; None where nothing does or it records none."""
+    last = next((t.user_attrs["result"].get("software") for t in reversed(trials)
+                 if t.state == TrialState.COMPLETE and isinstance(t.user_attrs.get("result"), dict)), None)
+    if not isinstance(last, dict):
+        return None
+    here = fingerprint.software()
+    differ = [f"{key} {last.get(key) or 'none'} there, {here.get(key) or 'none'} here"
+              for key in MEASURED_WITH if last.get(key) != here.get(key)]
+    if not differ:
+        return None
+    return (f"study {study_name} was last measured under other software ({'; '.join(differ)}): this run's trials "
+            "and its are compared as one (a new --study-name measures under one)")
+
+
 def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = False) -> StudyOutcome:
     """The study's measured trials, baseline, pick and front; `guard_asked`: the request runs with
     the quality guard, whose calibration the outcome then reports."""
@@ -573,6 +613,7 @@ def summarize(study: optuna.Study, stop_reason: str = "", guard_asked: bool = Fa
         outcome.ruled_out_note = (f"left out of the pick and the front: {count(len(forbidden), 'measured config')} "
                                   f"that this autotune's rules now forbid (trial {forbidden[0].number}: "
                                   f"{forbidden[0].forbidden_now})")
+    outcome.software_note = software_note(records)
     outcome.baseline = next((r for r in records if r.baseline), None)
     outcome.best, outcome.choice_note = choose_best(feasible)
     outcome.front = pareto_front(feasible)
@@ -985,6 +1026,9 @@ def prepare(req: TuneRequest, measure: Measure | None = None,
             "search (a higher --trials searches on)" if kept >= req.trials > 0 else
             f"its {count(kept, 'measured trial')} kept, the search goes on from them" if kept
             else "no trial measured yet, the search starts there"))
+        changed = _software_changed(trials, req.study_name)
+        if changed:
+            on_step(changed)
         for config in _given_up(trials):
             on_step(f"not measured again: [{config_changes(config)}], whose process died "
                     f"{storages.MAX_RETRIES + 1} times while measuring it (killed, or the machine's "

@@ -188,8 +188,7 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     import numpy as np
     import torch
 
-    from . import quality
-
+    from . import fingerprint, quality
     from .knobs import Target, build_configured
     from .measure import MemoryTracker, OtherCpuUse, cut_short, timed_calls, warm_up
     from .models import ModelSpec
@@ -209,7 +208,8 @@ def run(request: dict, started: float = _T0, host_extra_bytes: int = 0) -> dict:
     config = request["config"]
     # the workload: knobs whose effect depends on it (MagCache's steps, VAE tiling's tile size)
     target = Target(device=device, family=spec.family, capability=request["capability"], workload=workload)
-    result: dict = {"status": OK, "threads": torch.get_num_threads()}
+    # the libraries that measured it: a study resumed after an upgrade holds trials of both
+    result: dict = {"status": OK, "threads": torch.get_num_threads(), "software": fingerprint.software()}
 
     try:
         tracker = MemoryTracker(device, host_extra_bytes=host_extra_bytes, gpus=placed_over(config, device))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from autotune import runner, worker
+from autotune import fingerprint, runner, worker
 from autotune.models import resolve_model
 
 LAUNCHERS = pytest.mark.parametrize("launcher", runner.LAUNCHERS)
@@ -46,6 +46,7 @@ def test_a_trial_measures_latency_memory_and_cold_start(tmp_path, launcher):
     assert result["stable"] or result["calls"] == 10
     assert result["p90_s"] >= result["latency_s"]
     assert result["threads"] == torch.get_num_threads()
+    assert result["software"] == fingerprint.software()  # what measured it, for a study resumed after an upgrade
     assert result["memory_source"] == "rss"
     assert result["peak_memory_bytes"] > 100 * 2**20  # a process holding torch
     assert result["cold_start_s"] >= result["first_call_s"] > 0
@@ -138,7 +139,7 @@ PARENT = """
 import sys
 from dataclasses import replace
 from pathlib import Path
-from autotune import runner, worker
+from autotune import fingerprint, runner, worker
 from autotune.models import resolve_model
 spec = resolve_model("tiny-sd15")
 workload = replace(spec.default_workload, steps=500)  # minutes: it must not end on its own

@@ -455,6 +455,36 @@ def test_memory_dominance_needs_every_other_knob_equal():
     assert study.memory_dominated(baseline(), [fp16_ran_out]) is fp16_ran_out
 
 
+def test_a_study_resumed_under_other_library_versions_says_so_and_its_profile_keeps_the_picks(tmp_path):
+    # a resumed study mixed trials of two torch versions without a word, and its profile recorded
+    # the software of the export, not what measured the pick
+    from autotune import fingerprint, profile as profile_io
+
+    here = fingerprint.software()
+    before = {**here, "torch": "2.0.0"}
+
+    def measure_with(software, latency_of):
+        def measure(req: dict, trial_dir: Path, tick) -> dict:
+            return {"status": "ok", "latency_s": latency_of(req["config"]), "peak_memory_bytes": 500 * MiB,
+                    "software": software}
+        return measure
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    req = request(SearchSpace(SPACE), tmp_path, trials=2, confirm_rounds=0, storage=url)
+    fastest_in_bfloat16 = lambda c: 0.5 if c["dtype"] == "bfloat16" else 1.0  # noqa: E731
+    first = study.tune(req, measure=measure_with(before, fastest_in_bfloat16))
+    assert first.software_note is None  # one set measured them all
+    steps = []
+    outcome = study.tune(replace(req, trials=4), measure=measure_with(here, lambda c: 2.0), on_step=steps.append)
+    assert (f"study s was last measured under other software (torch 2.0.0 there, {here['torch']} here): this run's "
+            "trials and its are compared as one (a new --study-name measures under one)") in steps
+    assert outcome.software_note == (
+        f"its trials were measured under different software (torch 2.0.0 (2 trials), {here['torch']} (2 trials)), "
+        "and their latencies are compared all the same: a new --study-name measures under one")
+    assert outcome.best.result["software"] == before  # the bfloat16 seed, measured by the first run
+    assert profile_io.build(req, outcome, "s.db")["software"] == before
+
+
 def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_path):
     front = [{"dtype": "float16", "channels_last": True, "offload": "model"}]  # offload: not in this space
     space = SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}])
