@@ -6,6 +6,9 @@ exit from the CLI; from the Python API it is an ordinary exception with a readab
 """
 
 import functools
+import os
+import sys
+import warnings
 
 
 class AutotuneError(Exception):
@@ -22,6 +25,18 @@ class SpaceError(AutotuneError):
 
 class ProfileError(AutotuneError):
     """A profile file is missing, corrupt, truncated or of another format version."""
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn, attributed to the first frame outside autotune: the serving code's line that
+    called load_pipeline or apply, however deep inside autotune the check ran (a fixed stacklevel
+    named that line from one entry point and a line of autotune from another). Python 3.12's
+    skip_file_prefixes does this; 3.10 and 3.11 are supported too."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def first_line(exc: BaseException) -> str:

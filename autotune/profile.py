@@ -17,7 +17,6 @@ import os
 import stat
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 import yaml
 
 from . import fingerprint
-from .errors import AutotuneError, ProfileError, first_line, os_reason, read_yaml, why_unwritable
+from .errors import AutotuneError, ProfileError, first_line, os_reason, read_yaml, warn_at_caller, why_unwritable
 from .choice import pick
 from .knobs import (APPLIED, BEFORE_BUILD, CATALOGUE, Config, Target, additions_found, apply_config, build_configured,
                     complete, conflict, lora_on_fused_projections, settings_found, unrunnable)
@@ -401,18 +400,17 @@ class Profile:
             raise ProfileError(f"applying the profile failed ({type(exc).__name__}: {first_line(exc)}){partly}") from exc
         for knob in BEFORE_BUILD:
             if config[knob.name] != knob.default:
-                warnings.warn(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
-                              "the weights as loaded followed it; this pipeline was loaded before, so its peak "
-                              "may exceed the measured one: use profile.load_pipeline()", stacklevel=2)
+                warn_at_caller(f"{knob.name}={config[knob.name]}: the trial held it before building the pipeline, so "
+                               "the weights as loaded followed it; this pipeline was loaded before, so its peak "
+                               "may exceed the measured one: use profile.load_pipeline()")
         measured_in = DTYPES[config["dtype"]]
         if loaded_in != measured_in:  # the same dtype once cast, but not the same load
             name = str(loaded_in).removeprefix("torch.")
             why = ("its load may have held more memory than the trial's" if loaded_in.itemsize > measured_in.itemsize
                    else "what its weights lost in the narrower dtype is not restored by the cast")
-            warnings.warn(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}; "
-                          f"the trial loaded it in {config['dtype']}, as from_pretrained(..., torch_dtype=torch."
-                          f"{config['dtype']}) does (dtype= in diffusers 0.42 and later), or profile.load_pipeline()",
-                          stacklevel=2)
+            warn_at_caller(f"this pipeline's denoiser was loaded in {name} and cast to {config['dtype']}: {why}; "
+                           f"the trial loaded it in {config['dtype']}, as from_pretrained(..., torch_dtype=torch."
+                           f"{config['dtype']}) does (dtype= in diffusers 0.42 and later), or profile.load_pipeline()")
         self._set_measured_threads(target)
         return pipe
 
@@ -433,8 +431,8 @@ class Profile:
                                "of its own (fused QKV's or slicing's) in their place: pick a point that keeps "
                                "SDPA's (budget_bytes), or tune with those knobs held (a --space file)")
         if added:
-            warnings.warn(f"this pipeline holds {'; '.join(added)}: the profile's figures were measured without it",
-                          ProfileMismatchWarning, stacklevel=3)
+            warn_at_caller(f"this pipeline holds {'; '.join(added)}: the profile's figures were measured without it",
+                           ProfileMismatchWarning)
 
     def _check_architecture(self, pipe) -> None:
         """Warn where the pipeline's denoiser is of another architecture than the profiled model's
@@ -447,13 +445,12 @@ class Profile:
         for name, measured in self._measured_components().items():
             component = getattr(pipe, name, None)
             if isinstance(component, torch.nn.Module) and type(component).__name__ != measured:
-                warnings.warn(f"this pipeline's {name} is a {type(component).__name__}, where {self.model.name}'s is a "
-                              f"{measured}: the profile's figures were measured with that one", ProfileMismatchWarning,
-                              stacklevel=3)
+                warn_at_caller(f"this pipeline's {name} is a {type(component).__name__}, where {self.model.name}'s is a "
+                               f"{measured}: the profile's figures were measured with that one", ProfileMismatchWarning)
         differ = self._architecture_differences(denoiser(pipe).config)
         if differ:
-            warnings.warn(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({differ}): "
-                          "the profile's figures were measured on another model", ProfileMismatchWarning, stacklevel=3)
+            warn_at_caller(f"this pipeline's {type(denoiser(pipe)).__name__} is not {self.model.name}'s ({differ}): "
+                           "the profile's figures were measured on another model", ProfileMismatchWarning)
 
     def _measured_components(self) -> dict[str, str]:
         """The class of each component as measured: the profile's record (profiles before
@@ -489,15 +486,15 @@ class Profile:
         now = denoiser_config(self.model) if self.data.get("denoiser_config") else None
         differ = self._architecture_differences(now) if now else ""
         if differ:
-            warnings.warn(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
-                          "figures were measured on another model", ProfileMismatchWarning, stacklevel=2)
+            warn_at_caller(f"{self.model.name}'s {self.model.denoiser} is not the one profiled ({differ}): the profile's "
+                           "figures were measured on another model", ProfileMismatchWarning)
         recorded = self.data.get("component_classes")  # else apply's check reads the folder: nothing to compare
         now = (component_classes(self.model) or {}) if recorded else {}
         swapped = [f"{name} is {now[name]} now, {measured} when profiled" for name, measured in (recorded or {}).items()
                    if now.get(name, measured) != measured]
         if swapped:
-            warnings.warn(f"{self.model.name}: its {'; '.join(swapped)}: the profile's figures were measured with "
-                          "the components as profiled", ProfileMismatchWarning, stacklevel=2)
+            warn_at_caller(f"{self.model.name}: its {'; '.join(swapped)}: the profile's figures were measured with "
+                           "the components as profiled", ProfileMismatchWarning)
         self._set_measured_threads(target)
         try:
             return build_configured(self.model, config, target)
@@ -520,8 +517,8 @@ class Profile:
 
         threads = min(self.threads, fingerprint.usable_cores())
         if threads < self.threads:
-            warnings.warn(f"measured with {self.threads} CPU thread{'s' if self.threads != 1 else ''}; {threads}, the cores usable here, are used",
-                          ProfileMismatchWarning, stacklevel=3)
+            warn_at_caller(f"measured with {self.threads} CPU thread{'s' if self.threads != 1 else ''}; {threads}, the cores usable here, are used",
+                           ProfileMismatchWarning)
         # process-wide too: a pipeline configured before with another count now runs with this one
         ProcessSettings.configured("torch's CPU thread count", threads)
         torch.set_num_threads(threads)
@@ -609,7 +606,7 @@ def load_profile(path: str | Path, check_fingerprint: bool = True) -> Profile:
     profile = Profile(data, path)
     if check_fingerprint:
         for line in profile.mismatches():
-            warnings.warn(f"profile {path}: {line}", ProfileMismatchWarning, stacklevel=2)
+            warn_at_caller(f"profile {path}: {line}", ProfileMismatchWarning)
     return profile
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import AutotuneError
+from ..errors import AutotuneError, warn_at_caller
 from .attention import ATTENTION, SDPA_KERNELS
 from .base import Knob, SearchOnly, Target
 from .cache import CACHE, CACHES
@@ -277,12 +277,9 @@ def apply_config(pipe, config: Config, target: Target):
     described = ", ".join(f"{k}={v}" for k, v in changed(config).items()) or "the baseline"
     setattr(pipe, APPLIED, f"{described}, stopped part-way")  # until its last knob is applied
     if rewrites_weights(config) and pipe.device.type != "cpu":
-        import warnings
-
-        warnings.warn(f"the pipeline is on {pipe.device} before its weights are fused, quantized or cast to "
-                      "fp8: its weights as loaded were there first, so its peak memory will be higher than "
-                      "the profile measured (load it on the CPU and let the configuration move it)",
-                      stacklevel=2)
+        warn_at_caller(f"the pipeline is on {pipe.device} before its weights are fused, quantized or cast to "
+                       "fp8: its weights as loaded were there first, so its peak memory will be higher than "
+                       "the profile measured (load it on the CPU and let the configuration move it)")
     for knob in APPLY_ORDER:
         knob.apply(pipe, config[knob.name], target, config)
         # The whole pipeline goes to the device once its weights are in their final format

@@ -128,15 +128,15 @@ class ProcessSettings:
         """Record the `state` a configuration set of the setting `what`, and warn where an earlier
         configuration in this process set it otherwise: process-wide, it now holds for that one's
         pipeline too (two profiles served by one process)."""
-        import warnings
+        from ..errors import warn_at_caller
 
         with cls._configuring:  # two threads configuring at once would both read the state before
             earlier = cls.configured_states.get(what, state)
             cls.configured_states[what] = state
         if earlier != state:
-            warnings.warn(f"{what}: a pipeline configured earlier in this process was measured with another setting; "
-                          "it is process-wide, so that pipeline now runs (and compiles, if it has not yet) under this "
-                          "one's: serve the two from separate processes", stacklevel=4)
+            warn_at_caller(f"{what}: a pipeline configured earlier in this process was measured with another setting; "
+                           "it is process-wide, so that pipeline now runs (and compiles, if it has not yet) under this "
+                           "one's: serve the two from separate processes")
 
     @property
     def touched(self) -> bool:

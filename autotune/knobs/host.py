@@ -25,9 +25,8 @@ import ctypes
 import ctypes.util
 import functools
 import platform
-import warnings
 
-from ..errors import AutotuneError
+from ..errors import AutotuneError, warn_at_caller
 from .base import Knob, NoEffect, ProcessSettings
 
 THRESHOLDS = {"1MiB": 1 << 20, "4MiB": 4 << 20}
@@ -71,9 +70,8 @@ def _apply(pipe, value, target, config):
         elif not _warned:
             # glibc has no call that gives back its rising threshold once one was held.
             _warned = True
-            warnings.warn(f"glibc's mmap threshold stays held at {_held} in this process, held by a "
-                          "configuration applied before; this one was measured with glibc's default",
-                          stacklevel=2)
+            warn_at_caller(f"glibc's mmap threshold stays held at {_held} in this process, held by a "
+                           "configuration applied before; this one was measured with glibc's default")
         return
     # said where a pipeline configured before runs under another (helper-13: 1MiB, then 4MiB, in silence)
     ProcessSettings.configured(SETTING, value)

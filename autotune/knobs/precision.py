@@ -138,13 +138,13 @@ def _kept_otherwise(flag: str, knob: str, said: str, reset: str) -> None:
     measured."""
     had = _TORCH_FLAGS.before()[flag]
     if had is not None and had != _TORCH_DEFAULTS[flag]:
-        import warnings
+        from ..errors import warn_at_caller
 
-        warnings.warn(f"{said} was {had!r} in this process when autotune first configured a pipeline in it, and "
-                      f"{knob}: false keeps that; its trials ran "
-                      f"with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower and "
-                      f"compute slightly otherwise than measured ({reset} before the first profile is applied, to serve "
-                      "what was measured)", stacklevel=5)
+        warn_at_caller(f"{said} was {had!r} in this process when autotune first configured a pipeline in it, and "
+                       f"{knob}: false keeps that; its trials ran "
+                       f"with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower and "
+                       f"compute slightly otherwise than measured ({reset} before the first profile is applied, to serve "
+                       "what was measured)")
 
 
 def _apply_tf32(pipe, value, target, config):
