@@ -313,6 +313,8 @@ def load_study(url: str, name: str, label: str | None = None, storage=None) -> S
         data.notes.append(f"{name}: {data.why_no_best()}" + ("" if data.measured else " (left out of the charts)"))
     if outcome.ruled_out_note:  # the summary's note: why a pick may differ from an earlier one
         data.notes.append(f"{name}: {outcome.ruled_out_note}")
+    if outcome.software_note:  # a study resumed after an upgrade: its latencies compare versions too
+        data.notes.append(f"{name}: {outcome.software_note}")
     left = unfinished(study)
     if left:  # stopped (Ctrl-C), or running now: its figures are those of a study half done
         data.notes.append(f"{name}: unfinished ({left}); its figures are as they stand, and the command "

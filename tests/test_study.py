@@ -458,7 +458,10 @@ def test_memory_dominance_needs_every_other_knob_equal():
 def test_a_study_resumed_under_other_library_versions_says_so_and_its_profile_keeps_the_picks(tmp_path):
     # a resumed study mixed trials of two torch versions without a word, and its profile recorded
     # the software of the export, not what measured the pick
-    from autotune import fingerprint, profile as profile_io
+    from rich.console import Console
+
+    from autotune import fingerprint, profile as profile_io, report
+    from autotune.console import print_summary
 
     here = fingerprint.software()
     before = {**here, "torch": "2.0.0"}
@@ -483,6 +486,11 @@ def test_a_study_resumed_under_other_library_versions_says_so_and_its_profile_ke
         "and their latencies are compared all the same: a new --study-name measures under one")
     assert outcome.best.result["software"] == before  # the bfloat16 seed, measured by the first run
     assert profile_io.build(req, outcome, "s.db")["software"] == before
+    (data,) = report.load(f"s@{url}")  # the notebook's notes say it too, and the run's summary
+    assert f"s: {outcome.software_note}" in data.notes
+    out = Console(markup=False, record=True, width=400)
+    print_summary(out, outcome, req.budget_bytes)
+    assert f"note: {outcome.software_note}" in out.export_text()
 
 
 def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_path):
