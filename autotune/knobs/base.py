@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import warn_at_caller
 from ..models import FAMILIES
 from ..workload import Workload
 
@@ -128,8 +129,6 @@ class ProcessSettings:
         """Record the `state` a configuration set of the setting `what`, and warn where an earlier
         configuration in this process set it otherwise: process-wide, it now holds for that one's
         pipeline too (two profiles served by one process)."""
-        from ..errors import warn_at_caller
-
         with cls._configuring:  # two threads configuring at once would both read the state before
             earlier = cls.configured_states.get(what, state)
             cls.configured_states[what] = state

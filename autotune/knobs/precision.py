@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import warn_at_caller
 from .base import Knob, Outrun, ProcessSettings, needs_cuda
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,8 +139,6 @@ def _kept_otherwise(flag: str, knob: str, said: str, reset: str) -> None:
     measured."""
     had = _TORCH_FLAGS.before()[flag]
     if had is not None and had != _TORCH_DEFAULTS[flag]:
-        from ..errors import warn_at_caller
-
         warn_at_caller(f"{said} was {had!r} in this process when autotune first configured a pipeline in it, and "
                        f"{knob}: false keeps that; its trials ran "
                        f"with torch's default {_TORCH_DEFAULTS[flag]!r}, so this pipeline may run faster or slower and "
