@@ -559,16 +559,18 @@ MEASURED_WITH = (*fingerprint.SOFTWARE_KEYS, "autotune")
 
 
 def software_note(records: list[TrialRecord]) -> str | None:
-    """Which versions measured which trials, where they differ (a study resumed, or joined by a
-    worker, after an upgrade): its latencies are compared across them all the same. None where
-    one set measured them all, or none recorded it (trials before 2026-12-02 did not)."""
-    recorded = [r.result["software"] for r in records if isinstance(r.result.get("software"), dict)]
+    """Which versions measured which trials, confirmation rounds included, where they differ (a
+    study resumed, or joined by a worker, after an upgrade): its latencies are compared across
+    them all the same. None where one set measured them all, or none recorded it (trials before
+    2026-12-02 did not)."""
+    measured = [t for r in records for t in (r.result, *r.confirmations)]
+    recorded = [t["software"] for t in measured if isinstance(t.get("software"), dict)]
     varied = []
     for key in MEASURED_WITH:
         versions = Counter(str(software.get(key) or "none") for software in recorded)
         if len(versions) > 1:
             varied.append(f"{key} " + ", ".join(f"{v} ({count(n, 'trial')})" for v, n in versions.items()))
-    unrecorded = len(records) - len(recorded)
+    unrecorded = len(measured) - len(recorded)
     if recorded and unrecorded:
         varied.append(f"{count(unrecorded, 'trial')} measured before trials recorded it")
     if not varied:
@@ -1843,6 +1845,7 @@ def _confirm_while_held(req, study, measure, claim, on_confirm, deadline=None) -
             "cold_start_s": result.get("cold_start_s"),  # a profile's figures come from quiet trials
             "spread": result.get("spread"),
             **({"cut_short": result["cut_short"]} if result.get("cut_short") else {}),
+            **({"software": result["software"]} if "software" in result else {}),  # software_note
         }
         confirmed = study.user_attrs.get(CONFIRMATIONS, {})
         confirmed.setdefault(str(record.number), []).append(entry)

@@ -493,6 +493,30 @@ def test_a_study_resumed_under_other_library_versions_says_so_and_its_profile_ke
     assert f"note: {outcome.software_note}" in out.export_text()
 
 
+def test_confirmation_rounds_measured_under_other_library_versions_are_part_of_the_note(tmp_path):
+    # a study searched under one torch and confirmed after an upgrade compared its contenders'
+    # figures across both, and the note counted only the search trials
+    from autotune import fingerprint
+
+    here = fingerprint.software()
+    before = {**here, "torch": "2.0.0"}
+
+    def measure_with(software):
+        def measure(req: dict, trial_dir: Path, tick) -> dict:
+            return {"status": "ok", "latency_s": 1.0, "peak_memory_bytes": 500 * MiB, "software": software}
+        return measure
+
+    req = request(SearchSpace(SPACE), tmp_path, trials=3, confirm_rounds=0, storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert study.tune(req, measure=measure_with(before)).software_note is None
+    outcome = study.tune(replace(req, confirm_rounds=1), measure=measure_with(here))  # confirms only
+    rounds = sum(len(r.confirmations) for r in outcome.records)
+    assert len(outcome.records) == 3 and rounds >= 2
+    assert all(c["software"] == here for r in outcome.records for c in r.confirmations)
+    assert outcome.software_note == (
+        f"its trials were measured under different software (torch 2.0.0 (3 trials), {here['torch']} "
+        f"({rounds} trials)), and their latencies are compared all the same: a new --study-name measures under one")
+
+
 def test_a_warm_start_is_measured_after_the_baseline_and_before_the_seeds(tmp_path):
     front = [{"dtype": "float16", "channels_last": True, "offload": "model"}]  # offload: not in this space
     space = SearchSpace(SPACE, seeds=[{"dtype": "bfloat16"}])
